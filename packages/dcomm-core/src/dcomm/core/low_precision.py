@@ -1,0 +1,69 @@
+"""Cast gradients to fp16/bf16 for communication and back, safely while a collective is in flight.
+
+The cast and the division by the pre-divide factor are one kernel (``torch.div(..., out=...)``);
+so are the cast back and the post-division. On CUDA a low-precision buffer that a collective may
+still read is tied to the current stream, so the caching allocator cannot hand its memory to
+another tensor before that stream's work is done. On CPU this costs nothing.
+
+Example::
+
+    >>> low = cast_for_communication(grad, torch.bfloat16, divide_by=2.0)  # doctest: +SKIP
+    >>> dist.all_reduce(low)  # doctest: +SKIP
+    >>> copy_back(grad, low, divide_by=2.0)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["LOW_PRECISION_DTYPES", "cast_for_communication", "copy_back", "keep_until_stream_done"]
+
+LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def cast_for_communication(tensor: torch.Tensor, dtype: torch.dtype, divide_by: float = 1.0) -> torch.Tensor:
+    """Return a new ``dtype`` tensor holding ``tensor / divide_by`` (one fused kernel).
+
+    Example::
+
+        >>> cast_for_communication(torch.ones(2), torch.float16, 2.0)
+        tensor([0.5000, 0.5000], dtype=torch.float16)
+    """
+    if dtype not in LOW_PRECISION_DTYPES:
+        raise ValueError(
+            f"dtype: expected torch.float16 or torch.bfloat16, got {dtype!r}; use the fp16 or bf16 hook"
+        )
+    out = torch.empty_like(tensor, dtype=dtype)
+    if divide_by == 1.0:
+        return out.copy_(tensor)
+    return torch.div(tensor, divide_by, out=out)
+
+
+def copy_back(dst: torch.Tensor, src: torch.Tensor, divide_by: float = 1.0) -> torch.Tensor:
+    """Write ``src / divide_by`` into ``dst`` in ``dst``'s own dtype (one fused kernel).
+
+    Example::
+
+        >>> dst = torch.zeros(2)
+        >>> copy_back(dst, torch.ones(2, dtype=torch.bfloat16), 2.0)
+        tensor([0.5000, 0.5000])
+    """
+    src = src.view_as(dst)
+    if divide_by == 1.0:
+        return dst.copy_(src)
+    return torch.div(src, divide_by, out=dst)
+
+
+def keep_until_stream_done(tensor: torch.Tensor) -> None:
+    """Keep ``tensor``'s memory from reuse until the current stream's queued work is done.
+
+    A no-op for CPU tensors.
+
+    Example::
+
+        >>> keep_until_stream_done(low_precision_grad)  # doctest: +SKIP
+    """
+    if tensor.device.type == "cpu":
+        return
+    module = torch.get_device_module(tensor.device)
+    tensor.record_stream(module.current_stream(tensor.device))

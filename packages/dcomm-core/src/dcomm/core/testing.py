@@ -1,0 +1,178 @@
+"""Run a function on N ranks of a fresh process group: the shared multi-process test helper.
+
+Each rank is a separate process joined through a ``FileStore`` in a private temporary folder, so
+concurrent pytest-xdist workers never collide. Ranks start from a fork server that has already
+imported torch (fast on Linux); a rank's exception is re-raised in the caller with its traceback,
+and a rank that hangs is killed after ``timeout`` seconds with a message naming it.
+
+Example::
+
+    >>> def worker(rank: int, world_size: int, scale: float) -> float:
+    ...     t = torch.tensor([rank * scale])
+    ...     dist.all_reduce(t)
+    ...     return t.item()
+    >>> run_ranks(worker, 2, 1.5)  # doctest: +SKIP
+    [1.5, 1.5]
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any, TypeVar
+
+__all__ = ["RankFailure", "run_ranks"]
+
+T = TypeVar("T")
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised, died or hung; the message holds each rank's story."""
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    if sys.platform.startswith("linux"):
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    backend: str,
+    store_path: str,
+    timeout: float,
+    env: Mapping[str, str],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    os.environ.update(env)
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world_size))
+    os.environ.setdefault("LOCAL_RANK", str(rank % int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        device_id = None
+        if backend == "nccl":
+            device_id = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device_id)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+            device_id=device_id,
+        )
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+_GRACE_S = 10.0
+
+
+def _drain(results: Any, outcomes: dict[int, tuple[bool, Any]]) -> None:
+    """Collect results queued by ranks that have already exited."""
+    try:
+        while True:
+            rank, ok, value = results.get(timeout=0.5)
+            outcomes[rank] = (ok, value)
+    except queue.Empty:
+        pass
+
+
+def run_ranks(
+    fn: Callable[..., T],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+) -> list[T]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` new ranks; return their results.
+
+    ``fn`` must be importable by name (a module-level function) and its arguments and result
+    picklable. ``env`` is set in every rank before the process group starts (``LOCAL_WORLD_SIZE``
+    for a simulated multi-node layout, say). ``timeout`` bounds both the process group's
+    collectives and the whole run.
+
+    Example::
+
+        >>> run_ranks(worker, 4, env={"LOCAL_WORLD_SIZE": "2"})  # doctest: +SKIP
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
+    ctx = _context()
+    results = ctx.Queue()
+    folder = tempfile.mkdtemp(prefix="dcomm-ranks-")
+    store_path = os.path.join(folder, "store")
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, backend, store_path, timeout, dict(env or {}), args, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout + 30.0
+    first_failure: float | None = None
+    try:
+        while len(outcomes) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=0.2)
+            except queue.Empty:
+                now = time.monotonic()
+                if all(p.exitcode is not None for p in procs):
+                    _drain(results, outcomes)
+                    break
+                # Survivors of a failed rank block in its collectives: stop them soon.
+                if (first_failure is not None and now - first_failure > _GRACE_S) or now > deadline:
+                    break
+                continue
+            outcomes[rank] = (ok, value)
+            if not ok and first_failure is None:
+                first_failure = time.monotonic()
+    finally:
+        finished = len(outcomes) == world_size
+        for proc in procs:
+            if not finished and proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        shutil.rmtree(folder, ignore_errors=True)
+    failures = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
+    missing = [r for r in range(world_size) if r not in outcomes]
+    if missing:
+        codes = {r: procs[r].exitcode for r in missing}
+        failures.append(
+            f"ranks {missing} returned nothing (exit codes {codes}): they died, or were killed "
+            f"after {timeout:.0f}s or after another rank failed"
+        )
+    if failures:
+        raise RankFailure(f"{fn.__name__} failed on {world_size} ranks:\n" + "\n".join(failures))
+    return [outcomes[r][1] for r in range(world_size)]

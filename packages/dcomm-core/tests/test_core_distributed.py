@@ -1,0 +1,132 @@
+"""State, collectives and intra-node groups on real gloo ranks, against exact float64 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms._comm_hooks import default_hooks as torch_fsdp_hooks
+
+from dcomm.core import (
+    DefaultState,
+    LowPrecisionState,
+    allreduce_future,
+    divide_factors,
+    intra_node_subgroups,
+    reduce_scatter_future,
+)
+from dcomm.core.testing import RankFailure, run_ranks
+
+
+def rank_grad(rank: int, numel: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """A gradient that differs on every rank."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return (torch.randn(numel, generator=gen, dtype=torch.float64) * (rank + 1)).to(dtype)
+
+
+def _state_and_collectives(rank: int, world: int) -> None:
+    state = DefaultState(dist.group.WORLD)
+    torch_state = torch_fsdp_hooks.DefaultState(dist.group.WORLD)
+    assert state.world_size == world
+    assert state.gradient_predivide_factor == torch_state.gradient_predivide_factor
+    assert state.gradient_postdivide_factor == torch_state.gradient_postdivide_factor
+
+    exact = torch.stack([rank_grad(r, 12) for r in range(world)]).mean(0)
+    pre, post = divide_factors(world)
+    for dtype, tol in [(torch.float32, 1e-6), (torch.float64, 1e-12)]:
+        grad = rank_grad(rank, 12, dtype)
+        out = allreduce_future(grad, predivide=pre, postdivide=post).wait()
+        assert out.data_ptr() == grad.data_ptr()
+        torch.testing.assert_close(out.double(), exact, rtol=tol, atol=tol)
+
+        # Same arithmetic as torch's FSDP allreduce hook: bit-identical.
+        ours, theirs = rank_grad(rank, 12, dtype), rank_grad(rank, 12, dtype)
+        allreduce_future(ours, predivide=pre, postdivide=post).wait()
+        torch_fsdp_hooks.allreduce_hook(torch_state, theirs)
+        assert torch.equal(ours, theirs)
+
+        shard = torch.empty(3, dtype=dtype)
+        full = rank_grad(rank, 3 * world, dtype)
+        reduce_scatter_future(shard, full, predivide=pre, postdivide=post).wait()
+        exact_full = torch.stack([rank_grad(r, 3 * world) for r in range(world)]).mean(0)
+        torch.testing.assert_close(shard.double(), exact_full[3 * rank : 3 * rank + 3], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_state_and_collectives(world: int) -> None:
+    run_ranks(_state_and_collectives, world)
+
+
+def _low_precision_state(rank: int, world: int) -> None:
+    state = LowPrecisionState(dist.group.WORLD, parameter_type=torch.float64)
+    assert state.parameter_type is torch.float64
+    with pytest.raises(ValueError, match="parameter_type"):
+        LowPrecisionState(dist.group.WORLD, parameter_type=torch.int32)
+    with pytest.raises(ValueError, match="process_group"):
+        DefaultState(None)  # type: ignore[arg-type]
+
+
+def test_low_precision_state_validation() -> None:
+    run_ranks(_low_precision_state, 2)
+
+
+def _reduce_scatter_bad_size(rank: int, world: int) -> None:
+    with pytest.raises(ValueError, match="tensor: expected 8 elements"):
+        reduce_scatter_future(torch.empty(4), torch.empty(7))
+
+
+def test_reduce_scatter_rejects_wrong_input_size() -> None:
+    run_ranks(_reduce_scatter_bad_size, 2)
+
+
+def _intra_node(rank: int, world: int) -> list[int]:
+    mine, groups = intra_node_subgroups()
+    ones = torch.ones(1)
+    dist.all_reduce(ones, group=mine)
+    assert ones.item() == dist.get_world_size(mine)
+    assert len(groups) == world // dist.get_world_size(mine)
+    return dist.get_process_group_ranks(mine)
+
+
+@pytest.mark.parametrize(
+    ("world", "local", "expected"),
+    [
+        (4, "2", [[0, 1], [0, 1], [2, 3], [2, 3]]),
+        (4, "4", [[0, 1, 2, 3]] * 4),
+        (4, "1", [[0], [1], [2], [3]]),
+    ],
+)
+def test_intra_node_subgroups_follow_local_world_size(
+    world: int, local: str, expected: list[list[int]]
+) -> None:
+    assert run_ranks(_intra_node, world, env={"LOCAL_WORLD_SIZE": local}) == expected
+
+
+def test_intra_node_subgroups_reject_non_dividing_node_size() -> None:
+    with pytest.raises(
+        RankFailure, match=r"LOCAL_WORLD_SIZE: 3 does not divide the group size 4; use one of \[1, 2, 4\]"
+    ):
+        run_ranks(_intra_node, 4, env={"LOCAL_WORLD_SIZE": "3"})
+
+
+def test_local_world_size_rejects_garbage(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dcomm.core import local_world_size
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE: expected a positive integer, got 'two'"):
+        local_world_size()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert local_world_size() == 3
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert local_world_size() == max(torch.cuda.device_count(), 1)
+
+
+def _hang_on_rank_one(rank: int, world: int) -> None:
+    if rank == 1:
+        raise RuntimeError("boom on rank 1")
+    dist.barrier()
+
+
+def test_run_ranks_reports_failure_without_hanging() -> None:
+    with pytest.raises(RankFailure, match="boom on rank 1"):
+        run_ranks(_hang_on_rank_one, 2, timeout=60)

@@ -1,0 +1,184 @@
+"""Hierarchical model averaging: groups of growing size averaging at growing periods.
+
+``period_group_size_dict`` maps a period to a group size, periods increasing, the last size being
+the size of ``process_group``. At a step past warm-up only the group of the largest period that
+divides the step averages (it contains the smaller groups); when no period divides the step,
+nothing is averaged. Groups are consecutive ranks of ``process_group`` (``[0, 1], [2, 3]`` for
+size 2), so a group of size ``s`` sits inside every larger group whose size is a multiple of ``s``.
+Every setting is checked before any group is created, so a bad map fails on every rank with the
+same message and nothing hangs.
+
+Example::
+
+    >>> from dcomm.averaging import HierarchicalModelAverager
+    >>> # 16 ranks: average within groups of 8 every 4 steps, all 16 every 16 steps.
+    >>> averager = HierarchicalModelAverager({4: 8, 16: 16}, warmup_steps=100)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dcomm.averaging.averagers import ModelAverager, check_warmup_steps
+from dcomm.averaging.parameters import (
+    DEFAULT_BUCKET_CAP_MB,
+    _check_bucket_cap_mb,
+    average_parameters_or_parameter_groups,
+)
+from dcomm.core import subgroups_of_size
+
+__all__ = ["HierarchicalModelAverager"]
+
+logger = logging.getLogger(__name__)
+
+# The same text as torch's warning, so filters written for torch keep matching.
+MAX_PERIOD_ONE_WARNING = (
+    "When the maximum period in arg ``period_group_size_dict`` is 1, "
+    "no need to use model averaging because the communication cost "
+    "of all-reducing parameters will be no less than the cost of all-reducing gradients "
+    "by DistributedDataParallel in the backward pass. Therefore, only "
+    "DistributedDataParallel should be used for this case."
+)
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _example(period_group_size_dict: Any, world: int) -> dict[int, int]:
+    """A valid map as close to the user's as possible, for error messages."""
+    items = list(period_group_size_dict.items()) if isinstance(period_group_size_dict, Mapping) else []
+    periods = [p for p, _ in items]
+    if len(periods) < 2 or not all(_is_positive_int(p) for p in periods) or periods != sorted(set(periods)):
+        periods = [2 * 2**i for i in range(max(2, len(items)))]
+    sizes = [s for _, s in items][: len(periods)]
+    sizes += [world] * (len(periods) - len(sizes))
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    fallback = divisors[1] if len(divisors) > 1 else 1
+    fixed = [max((d for d in divisors if d <= s), default=fallback) if _is_positive_int(s) else fallback for s in sizes]
+    fixed[-1] = world
+    return dict(zip(periods, fixed, strict=True))
+
+
+def _validate(period_group_size_dict: Any, world: int) -> OrderedDict[int, int]:
+    """The checked map, or a ValueError naming the argument, the value and the fix."""
+    name = "period_group_size_dict"
+
+    def fail(problem: str) -> ValueError:
+        return ValueError(
+            f"{name}: {problem}; use increasing periods mapped to group sizes that divide {world} "
+            f"and end with {world}, e.g. {_example(period_group_size_dict, world)}"
+        )
+
+    if not isinstance(period_group_size_dict, Mapping) or not period_group_size_dict:
+        raise fail(f"expected a non-empty mapping of period to group size, got {period_group_size_dict!r}")
+    periods = list(period_group_size_dict.keys())
+    sizes = list(period_group_size_dict.values())
+    for period in periods:
+        if not _is_positive_int(period):
+            raise fail(f"period {period!r} is not a positive int (periods are steps between averagings)")
+    for before, after in itertools.pairwise(periods):
+        if after <= before:
+            raise fail(f"periods must increase, but {after} comes after {before}")
+    for size in sizes:
+        if not _is_positive_int(size):
+            raise fail(f"group size {size!r} is not a positive int")
+        if world % size:
+            raise ValueError(
+                f"{name}: group size {size} does not divide the world size {world}; use sizes that "
+                f"divide {world}, e.g. {_example(period_group_size_dict, world)}"
+            )
+    if sizes[-1] != world:
+        raise fail(
+            f"the last group size {sizes[-1]} must be the size of process_group ({world}), the top of the hierarchy"
+        )
+    return OrderedDict(zip(periods, sizes, strict=True))
+
+
+class HierarchicalModelAverager(ModelAverager):
+    """Average within nested groups at different periods (hierarchical SGD).
+
+    At a call with ``step >= warmup_steps``, the group of the largest period in
+    ``period_group_size_dict`` that divides ``step`` averages; ``step`` increments every call.
+    Rejected with a ``ValueError`` (argument, value, fix): an empty map, a period that is not a
+    positive int, periods that do not increase, a group size that does not divide the size of
+    ``process_group`` (WORLD when None) or a last size different from it, a negative
+    ``warmup_steps``. A largest period of 1 warns, as torch does. Group creation is collective:
+    every rank of the default group must build the averager.
+
+    Attributes match torch's: ``period_process_group_dict`` maps each period to the group of
+    this rank, ``warmup_steps``, ``process_group``, ``step``.
+
+    Example::
+
+        >>> averager = HierarchicalModelAverager({2: 2, 4: 4}, warmup_steps=10)  # doctest: +SKIP
+        >>> optimizer.step()  # doctest: +SKIP
+        >>> averager.average_parameters(model.parameters())  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        period_group_size_dict: Mapping[int, int] | None = None,
+        warmup_steps: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    ) -> None:
+        super().__init__(process_group)
+        world = dist.get_world_size(self.process_group)
+        self.warmup_steps: int = check_warmup_steps(warmup_steps)
+        self.bucket_cap_mb = _check_bucket_cap_mb(bucket_cap_mb)
+        checked = _validate(period_group_size_dict, world)
+        self._periods: list[int] = list(checked)
+        self._group_sizes: list[int] = list(checked.values())
+        if self._periods[-1] == 1:
+            warnings.warn(MAX_PERIOD_ONE_WARNING, stacklevel=2)
+        self.period_process_group_dict: OrderedDict[int, dist.ProcessGroup] = OrderedDict()
+        for period, size in checked.items():
+            mine, _ = subgroups_of_size(size, self.process_group, what="period_group_size_dict")
+            assert mine is not None
+            self.period_process_group_dict[period] = mine
+            logger.info("ranks in groups of %d average every %d steps unless a larger group does", size, period)
+
+    def process_group_at(self, step: int) -> dist.ProcessGroup | None:
+        """The group that averages at ``step``, or None when this step does not average.
+
+        Example::
+
+            >>> HierarchicalModelAverager({2: 2, 4: 4}).process_group_at(6)  # doctest: +SKIP
+            <the size-2 group of this rank>
+        """
+        if step < self.warmup_steps:
+            return None
+        for period in reversed(self._periods):
+            if step % period == 0:
+                return self.period_process_group_dict[period]
+        return None
+
+    def average_parameters(
+        self, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, torch.nn.Parameter]]
+    ) -> None:
+        """Average ``params`` (parameters or param groups) in this step's group; increment ``step``.
+
+        Example::
+
+            >>> averager.average_parameters(optimizer.param_groups)  # doctest: +SKIP
+        """
+        group = self.process_group_at(self.step)
+        if group is not None:
+            average_parameters_or_parameter_groups(params, group, bucket_cap_mb=self.bucket_cap_mb)
+        self.step += 1
+
+    def _settings(self) -> dict[str, Any]:
+        return {
+            "period_group_size_dict": dict(zip(self._periods, self._group_sizes, strict=True)),
+            "warmup_steps": self.warmup_steps,
+        }

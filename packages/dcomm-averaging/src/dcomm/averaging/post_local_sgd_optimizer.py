@@ -1,0 +1,124 @@
+"""PostLocalSGDOptimizer: a local optimizer followed by a model averager, in one ``step()``.
+
+Wrap any ``torch.optim.Optimizer``; each ``step()`` runs it, then the averager. The averager's
+step counter is saved in ``state_dict()`` under ``"step"`` (torch's key, so checkpoints move both
+ways) and restored by ``load_state_dict()``, so a restored job keeps averaging on schedule.
+
+Example::
+
+    >>> from dcomm.averaging import PeriodicModelAverager, PostLocalSGDOptimizer
+    >>> opt = PostLocalSGDOptimizer(  # doctest: +SKIP
+    ...     torch.optim.SGD(model.parameters(), lr=0.01),
+    ...     PeriodicModelAverager(period=4, warmup_steps=100),
+    ... )
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from dcomm.averaging.averagers import ModelAverager
+
+__all__ = ["PostLocalSGDOptimizer"]
+
+# The same text as torch's warning, so filters written for torch keep matching.
+NO_STEP_WARNING = "Loaded state dict does not contain a step counter for an averager. Setting step counter to 0."
+
+
+class PostLocalSGDOptimizer(torch.optim.Optimizer):
+    """Run ``optim.step()`` then ``averager.average_parameters(optim.param_groups)``.
+
+    ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's. ``state_dict()`` is
+    the wrapped optimizer's plus ``"step"``: the averager's step. ``load_state_dict()`` restores
+    both; without ``"step"`` it warns and starts the averager from 0, as torch does.
+
+    Example::
+
+        >>> opt = PostLocalSGDOptimizer(local_optim, PeriodicModelAverager(4, 100))  # doctest: +SKIP
+        >>> loss.backward()  # doctest: +SKIP
+        >>> opt.step()  # doctest: +SKIP
+        >>> torch.save(opt.state_dict(), path)  # doctest: +SKIP
+    """
+
+    def __init__(self, optim: torch.optim.Optimizer, averager: ModelAverager) -> None:
+        # The wrapped optimizer owns the parameters and state; torch.optim.Optimizer.__init__
+        # would build a second copy of both, so it is deliberately not called (as in torch).
+        self.optim = optim
+        self.averager = averager
+        self.param_groups = optim.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optim.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optim.defaults
+
+    def __repr__(self) -> str:
+        return repr(self.optim)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict plus ``"step"``, the averager's step.
+
+        Example::
+
+            >>> torch.save(opt.state_dict(), path)  # doctest: +SKIP
+        """
+        state = self.optim.state_dict()
+        state["step"] = self.averager.step
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the wrapped optimizer's state and the averager's step (0, with a warning, if absent).
+
+        Example::
+
+            >>> opt.load_state_dict(torch.load(path))  # doctest: +SKIP
+        """
+        self.optim.load_state_dict(state_dict)
+        if "step" in state_dict:
+            step = state_dict["step"]
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise ValueError(
+                    f"state_dict['step']: expected the averager's non-negative int step, got {step!r}; "
+                    "pass what PostLocalSGDOptimizer.state_dict() returned"
+                )
+            self.averager.step = step
+        else:
+            warnings.warn(NO_STEP_WARNING, stacklevel=2)
+            self.averager.step = 0
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Step the wrapped optimizer (with ``closure`` if given), then the averager.
+
+        Example::
+
+            >>> opt.step()  # doctest: +SKIP
+        """
+        loss = self.optim.step() if closure is None else self.optim.step(closure)
+        self.averager.average_parameters(self.param_groups)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the wrapped optimizer's gradients.
+
+        Example::
+
+            >>> opt.zero_grad()  # doctest: +SKIP
+        """
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group to the wrapped optimizer.
+
+        Example::
+
+            >>> opt.add_param_group({"params": head.parameters(), "lr": 0.1})  # doctest: +SKIP
+        """
+        self.optim.add_param_group(param_group)

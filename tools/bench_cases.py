@@ -454,10 +454,56 @@ def case_fsdp(bench: Bench, sizes: Sizes) -> list[Row]:
     return rows
 
 
+LOW_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def build_fully_shard_step(bench: Bench, sizes: Sizes, reduction: tuple[str, str] | None) -> Step:
+    """FSDP2 (``fully_shard`` per Linear and at the root), reducing gradients in fp32 or in low precision.
+
+    ``reduction = ("torch", "bf16")`` uses torch's ``MixedPrecisionPolicy(reduce_dtype=...)``;
+    ``("dcomm", "bf16")`` uses ``dcomm.fsdp.use_low_precision_reduction``.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    impl, dtype = (reduction[0], LOW_PRECISION[reduction[1]]) if reduction else ("", None)
+    policy = MixedPrecisionPolicy(reduce_dtype=dtype) if impl == "torch" else MixedPrecisionPolicy()
+    model = make_mlp(sizes, bench.device)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    if impl == "dcomm":
+        from dcomm.fsdp import use_low_precision_reduction
+
+        use_low_precision_reduction(model, dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    batch = make_batch(sizes, bench.device)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=False)
+        loss_of(model(batch)).backward()
+        optimizer.step()
+
+    return step
+
+
+def case_fully_shard(bench: Bench, sizes: Sizes) -> list[Row]:
+    default = bench.run(lambda: build_fully_shard_step(bench, sizes, None))
+    rows = []
+    for name in LOW_PRECISION:
+        torch_step = bench.run(lambda name=name: build_fully_shard_step(bench, sizes, ("torch", name)))
+        dcomm_step = bench.run(lambda name=name: build_fully_shard_step(bench, sizes, ("dcomm", name)))
+        details = _ratios({"dcomm": dcomm_step, "torch": torch_step}, default, "default")
+        details["torch"] = "MixedPrecisionPolicy(reduce_dtype)"
+        rows.append(Row(f"fully_shard/{name}", dcomm_step, torch_step, {"default fp32": default}, details))
+    return rows
+
+
 CASES: dict[str, Callable[[Bench, Sizes], list[Row]]] = {
     "averaging": case_averaging,
     "ddp": case_ddp,
     "post-local-sgd": case_post_local_sgd,
     "zero": case_zero,
     "fsdp": case_fsdp,
+    "fully_shard": case_fully_shard,
 }

@@ -1,0 +1,149 @@
+"""FSDP (FullyShardedDataParallel) with dcomm's hooks against torch's hooks, on real gloo ranks.
+
+Every strategy (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD) and every hook dtype, at world sizes 2 and
+4, with a nested FSDP model whose flat parameters need padding, trained for a few SGD steps on
+data that differs per rank. Tolerances: fp32 hooks bit-identical (same arithmetic as torch and
+as FSDP's own reduction); fp16 1e-3 relative, bf16 1e-2 relative to torch's hooks.
+
+torch's own fp16/bf16 FSDP hooks crash on CPU tensors in torch 2.13 (``record_stream`` with a
+CPU stream: "unknown parameter type"); the rank function turns ``record_stream`` into a no-op
+for CPU tensors so that the reference can run. dcomm's hooks need no such help.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._comm_hooks import default_hooks as torch_hooks
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+
+import dcomm.fsdp
+from dcomm.core import DefaultState, LowPrecisionState
+from dcomm.core.testing import run_ranks
+
+STEPS = 3
+STRATEGIES = (ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD)
+TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+def _cpu_record_stream_is_noop() -> None:
+    original = torch.Tensor.record_stream
+
+    def record_stream(self: torch.Tensor, stream: torch.Stream) -> None:
+        if self.device.type != "cpu":
+            original(self, stream)
+
+    torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
+
+
+def make_model(strategy: ShardingStrategy, mixed_precision: MixedPrecision | None = None) -> FSDP:
+    """Same initial weights on every rank; an inner FSDP unit and a root unit (101 + 45 numel)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5))
+    kwargs = {"sharding_strategy": strategy, "device_id": torch.device("cpu"), "mixed_precision": mixed_precision}
+    net[0] = FSDP(net[0], **kwargs)
+    return FSDP(net, **kwargs)
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(4, 6, generator=gen) * (rank + 1), torch.randn(4, 5, generator=gen)
+
+
+def train(model: FSDP, rank: int, steps: int = STEPS) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Return (this rank's flat parameter shards after ``steps`` SGD steps, first-step gradients)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    first_grads: list[torch.Tensor] = []
+    for step in range(steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if step == 0:
+            first_grads = [p.grad.detach().clone() for p in model.parameters()]
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], first_grads
+
+
+def trained(strategy: ShardingStrategy, state: object, hook: object, rank: int, **kw: object) -> tuple:
+    model = make_model(strategy, **kw)  # type: ignore[arg-type]
+    if hook is not None:
+        model.register_comm_hook(state, hook)
+    return train(model, rank)
+
+
+def assert_all_close(ours: list[torch.Tensor], theirs: list[torch.Tensor], rtol: float, what: str) -> None:
+    assert len(ours) == len(theirs) > 0, what
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.dtype == b.dtype == torch.float32, (what, a.dtype, b.dtype)
+        scale = b.abs().max().item()
+        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{what}: {m}")
+
+
+def _parity(rank: int, world: int) -> None:
+    _cpu_record_stream_is_noop()
+    group = dist.group.WORLD
+    for strategy in STRATEGIES:
+        sharded = strategy is not ShardingStrategy.NO_SHARD
+        ours_default = dcomm.fsdp.reduce_scatter_hook if sharded else dcomm.fsdp.allreduce_hook
+        theirs_default = torch_hooks.reduce_scatter_hook if sharded else torch_hooks.allreduce_hook
+
+        builtin_params, builtin_grads = trained(strategy, None, None, rank)
+        params, grads = trained(strategy, DefaultState(group), ours_default, rank)
+        ref_params, ref_grads = trained(strategy, torch_hooks.DefaultState(group), theirs_default, rank)
+        triples = zip(params + grads, ref_params + ref_grads, builtin_params + builtin_grads, strict=True)
+        for mine, ref, builtin in triples:
+            assert torch.equal(mine, ref), f"{strategy.name}: fp32 hook differs from torch's hook"
+            assert torch.equal(mine, builtin), f"{strategy.name}: fp32 hook differs from FSDP's own reduction"
+        # The gradients really are averaged: ranks saw different data, so a hook that skipped
+        # communication would leave NO_SHARD gradients differing between ranks.
+        if not sharded:
+            gathered = [torch.empty_like(grads[0]) for _ in range(world)]
+            dist.all_gather(gathered, grads[0])
+            assert all(torch.equal(g, gathered[0]) for g in gathered), "NO_SHARD gradients not averaged"
+
+        for dtype, ours, theirs in (
+            (torch.float16, dcomm.fsdp.fp16_compress_hook, torch_hooks.fp16_compress_hook),
+            (torch.bfloat16, dcomm.fsdp.bf16_compress_hook, torch_hooks.bf16_compress_hook),
+        ):
+            what = f"{strategy.name}/{dtype}"
+            low_params, low_grads = trained(strategy, LowPrecisionState(group), ours, rank)
+            ref_params, ref_grads = trained(strategy, torch_hooks.LowPrecisionState(group), theirs, rank)
+            assert_all_close(low_grads, ref_grads, TOL[dtype], f"{what} gradients vs torch's hook")
+            assert_all_close(low_params, ref_params, TOL[dtype], f"{what} parameters vs torch's hook")
+            # ... and against the float32 reduction, independently of torch's hooks.
+            assert_all_close(low_grads, builtin_grads, TOL[dtype], f"{what} gradients vs fp32 reduction")
+            # The low-precision reduction must actually have happened (a fp32 pass-through would
+            # be bit-identical to the fp32 reduction for some element at least, never for all).
+            assert any(not torch.equal(a, b) for a, b in zip(low_grads, builtin_grads, strict=True)), what
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_hooks_match_torch_in_every_strategy(world: int) -> None:
+    run_ranks(_parity, world)
+
+
+def _mixed_precision(rank: int, world: int) -> None:
+    """Where FSDP treats torch's hooks specially (by identity), dcomm's must still be right."""
+    _cpu_record_stream_is_noop()
+    group = dist.group.WORLD
+    mp = MixedPrecision(param_dtype=torch.bfloat16)  # compute, and FSDP's reduce dtype, in bf16
+    for strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.FULL_SHARD):
+        what = f"{strategy.name}/bf16 compute"
+        ours, theirs = dcomm.fsdp.fp16_compress_hook, torch_hooks.fp16_compress_hook
+        _, grads = trained(strategy, LowPrecisionState(group), ours, rank, mixed_precision=mp)
+        _, ref = trained(strategy, torch_hooks.LowPrecisionState(group), theirs, rank, mixed_precision=mp)
+        assert_all_close(grads, ref, TOL[torch.float16], what)
+
+        # A state whose parameter_type disagrees with the parameters: FSDP still casts the
+        # gradient of a dcomm hook to the parameter dtype, so the optimizer sees float32.
+        _, fp32_grads = trained(strategy, None, None, rank)
+        wrong = LowPrecisionState(group, parameter_type=torch.bfloat16)
+        _, grads = trained(strategy, wrong, dcomm.fsdp.bf16_compress_hook, rank)
+        assert_all_close(grads, fp32_grads, TOL[torch.bfloat16], f"{strategy.name}/parameter_type=bf16")
+
+
+def test_hooks_with_mixed_precision_and_mismatched_parameter_type() -> None:
+    run_ranks(_mixed_precision, 2)

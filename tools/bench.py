@@ -62,7 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--size", choices=["auto", "large", "small"], default="auto", help="auto: large on GPUs")
     parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="auto: nccl on GPUs")
     parser.add_argument("--quick", action="store_true", help="fewer iterations (about half the time)")
-    parser.add_argument("--budget-s", type=float, default=170.0, help="skip cases that start after this")
+    parser.add_argument(
+        "--budget-s", type=float, default=150.0, help="seconds after start when remaining variants are skipped"
+    )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="collective timeout")
     parser.add_argument("--strict", action="store_true", help="exit 1 when any dcomm variant failed")
     return parser.parse_args(argv)
@@ -91,13 +93,6 @@ def choose_sizes(args: argparse.Namespace, backend: str) -> tuple[str, Sizes]:
     if size == "large" and args.link == "slow":
         size = "large-slow"
     return size, SIZES[size]
-
-
-def within_budget(bench: Bench, started: float, budget_s: float) -> bool:
-    """Rank 0's clock decides for everyone whether another case may start."""
-    verdict = [time.perf_counter() - started < budget_s]
-    dist.broadcast_object_list(verdict, src=0, group=bench.side_group)
-    return bool(verdict[0])
 
 
 def run_case(name: str, bench: Bench, sizes: Sizes) -> list[Row]:
@@ -131,9 +126,22 @@ def fmt_bytes(outcome: Outcome | None) -> str:
 
 
 def fmt_details(row: Row) -> str:
-    parts = [f"{name}={fmt_ms(outcome)}ms" for name, outcome in row.baselines.items()]
+    parts = [
+        f"{name}={fmt_ms(outcome)}" + ("ms" if isinstance(outcome, Measurement) else "")
+        for name, outcome in row.baselines.items()
+    ]
     parts += [f"{key}={value}" for key, value in row.details.items()]
     return "  ".join(parts)
+
+
+def failure_notes(outcomes: dict[str, Outcome | None]) -> list[str]:
+    """One indented line per error; a single line when variants were skipped for time."""
+    failures = {who: o.reason for who, o in outcomes.items() if isinstance(o, Failure)}
+    notes = [f"    {who}: {reason}" for who, reason in failures.items() if not reason.startswith("skipped")]
+    skipped = [who for who, reason in failures.items() if reason.startswith("skipped")]
+    if skipped:
+        notes.append(f"    skipped (time budget spent): {', '.join(skipped)}")
+    return notes
 
 
 def table_lines(rows: list[Row]) -> list[str]:
@@ -155,7 +163,7 @@ def table_lines(rows: list[Row]) -> list[str]:
             )
         )
         outcomes = {"dcomm": row.dcomm, "torch": row.torch, **row.baselines}
-        notes[index] = [f"    {who}: {o.reason}" for who, o in outcomes.items() if isinstance(o, Failure)]
+        notes[index] = failure_notes(outcomes)
     widths = [max(len(line[col]) for line in cells) for col in range(len(header) - 1)]
     lines = []
     for index, line in enumerate(cells):
@@ -199,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     size, sizes = choose_sizes(args, backend)
     warmup, iters, cap_s = ITERATIONS[(size, args.quick)]
     bench = Bench.create(warmup=warmup, iters=iters, cap_s=cap_s)
+    bench.deadline = started + args.budget_s
     rank = dist.get_rank()
     meta = run_metadata(args, backend, size, sizes)
     if rank == 0:
@@ -206,11 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for name in args.cases:
         case_start = time.perf_counter()
-        if within_budget(bench, started, args.budget_s):
-            rows.extend(run_case(name, bench, sizes))
-        else:
-            skipped = Failure(f"skipped: the {args.budget_s:.0f}s budget was spent before this case")
-            rows.append(Row(name, skipped, skipped))
+        rows.extend(run_case(name, bench, sizes))
         if rank == 0:
             print(f"[bench] {name}: {time.perf_counter() - case_start:.1f}s", flush=True)
     if rank == 0:

@@ -18,12 +18,13 @@ Example::
 from __future__ import annotations
 
 import gc
+import math
 import os
 import statistics
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -96,7 +97,8 @@ class Bench:
     iters: int
     cap_s: float
     min_iters: int = 3
-    log: list[str] = field(default_factory=list)
+    deadline: float = math.inf
+    """``time.perf_counter()`` on rank 0 after which variants are skipped, not run."""
 
     @classmethod
     def create(cls, warmup: int, iters: int, cap_s: float) -> Bench:
@@ -153,6 +155,12 @@ class Bench:
             peak = max(0, torch.cuda.max_memory_allocated(self.device) - baseline)
         return Measurement(samples, peak)
 
+    def out_of_time(self) -> bool:
+        """Rank 0's clock decides for every rank whether the time budget is spent."""
+        verdict = [time.perf_counter() > self.deadline]
+        dist.broadcast_object_list(verdict, src=0, group=self.side_group)
+        return bool(verdict[0])
+
     def agree(self, error: str) -> str:
         """The first error any rank reported (with its rank), or '' when all succeeded."""
         errors: list[str] = [""] * self.world
@@ -166,8 +174,11 @@ class Bench:
         """Build a step with ``build()``, measure it; any exception becomes a :class:`Failure`.
 
         ``build`` holds the imports of the implementation under test, so a missing dcomm piece
-        is reported like any other error. Memory the step holds is released afterwards.
+        is reported like any other error. Memory the step holds is released afterwards. Once
+        the deadline has passed the variant is skipped.
         """
+        if self.out_of_time():
+            return Failure("skipped: the benchmark's time budget was spent")
         error = ""
         result: Measurement | None = None
         try:

@@ -174,6 +174,11 @@ def table_lines(rows: list[Row]) -> list[str]:
     return lines
 
 
+def nccl_version() -> str:
+    version = torch.cuda.nccl.version()
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
 def run_metadata(args: argparse.Namespace, backend: str, size: str, sizes: Sizes) -> dict[str, object]:
     versions = {}
     for name in DISTRIBUTIONS:
@@ -192,7 +197,7 @@ def run_metadata(args: argparse.Namespace, backend: str, size: str, sizes: Sizes
         "link_env": {key: os.environ.get(key) for key in LINK_ENV},
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "nccl": nccl_version() if cuda else None,
         "dcomm": versions,
         "size": size,
         "sizes": sizes.__dict__,

@@ -1,0 +1,331 @@
+"""ZeRO overlap hooks on gloo ranks: every step equals DDP + non-overlapped ZeRO, checkpoints, errors.
+
+The reference is DDP (no hook: the same arithmetic as an allreduce hook) followed by a
+non-overlapped ``ZeroRedundancyOptimizer`` with the same optimizer class; both see the same
+per-rank data (seeded by rank and step). Both do the same fp32 arithmetic per parameter, so the
+tolerance is float32's (``torch.testing.assert_close`` defaults: rtol 1.3e-6, atol 1e-5); in
+practice they are bit-identical.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook as torch_zero_hook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dcomm.core.testing import run_ranks
+from dcomm.ddp import (
+    allreduce_hook,
+    bf16_compress_hook,
+    hook_with_zero_step,
+    hook_with_zero_step_interleaved,
+    post_localSGD_hook,
+)
+
+BUILDERS = {"step": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
+OPTIMS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    "adam": (torch.optim.Adam, {"lr": 0.01}),
+}
+BUCKET_MB = 0.001  # 1 KB: the tiny model gets several buckets once DDP settles its layout
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+    )
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    """Different data on every rank and every step."""
+    return torch.randn(6, 8, generator=torch.Generator().manual_seed(1000 * rank + step)) * (rank + 1)
+
+
+def train_step(ddp: DDP, zero: ZeroRedundancyOptimizer, x: torch.Tensor, overlap: bool) -> None:
+    zero.zero_grad(set_to_none=True)
+    ddp(x).square().sum().backward()
+    if not overlap:
+        zero.step()
+
+
+def flat_params(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def assert_same_on_all_ranks(t: torch.Tensor) -> None:
+    ref = t.clone()
+    dist.broadcast(ref, src=0)
+    assert torch.equal(t, ref), "ranks disagree on the parameters"
+
+
+def overlapped(
+    builder: str, optim: str, static: bool, shard: bool, hook: object = allreduce_hook
+) -> tuple[torch.nn.Module, DDP, ZeroRedundancyOptimizer]:
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=BUCKET_MB, static_graph=static)
+    cls, kwargs = OPTIMS[optim]
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=cls, overlap_with_ddp=True, **kwargs)
+    ddp.register_comm_hook(None, BUILDERS[builder](hook, ddp, zero, shard_buckets=shard))
+    return model, ddp, zero
+
+
+def reference(optim: str, static: bool) -> tuple[torch.nn.Module, DDP, ZeroRedundancyOptimizer]:
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=BUCKET_MB, static_graph=static)
+    cls, kwargs = OPTIMS[optim]
+    return model, ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=cls, **kwargs)
+
+
+# -- equality with non-overlapped ZeRO, every step -------------------------------------------------
+
+
+class _CountingHook:
+    """Wraps a hook and records the number of buckets DDP had at each step."""
+
+    __name__ = "counting_allreduce_hook"
+
+    def __init__(self, hook: object) -> None:
+        self.hook = hook
+        self.buckets: list[int] = []
+
+    def __call__(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if bucket.is_last():
+            self.buckets.append(bucket.index() + 1)
+        return self.hook(state, bucket)
+
+
+def _matrix(rank: int, world: int, steps: int = 4) -> list[str]:
+    seen = []
+    wrapped = itertools.cycle([allreduce_hook, torch_hooks.allreduce_hook])
+    for builder, optim, static, shard in itertools.product(BUILDERS, OPTIMS, (False, True), (False, True)):
+        case = f"{builder}-{optim}-static{static}-shard{shard}"
+        counting = _CountingHook(next(wrapped))
+        model, ddp, zero = overlapped(builder, optim, static, shard, counting)
+        ref_model, ref_ddp, ref_zero = reference(optim, static)
+        before = flat_params(model)
+        for step in range(steps):
+            x = batch(rank, step)
+            train_step(ddp, zero, x, overlap=True)
+            train_step(ref_ddp, ref_zero, x, overlap=False)
+            ours, theirs = flat_params(model), flat_params(ref_model)
+            assert not torch.equal(ours, before), f"{case}: step {step} did not update the parameters"
+            torch.testing.assert_close(ours, theirs, msg=lambda m, c=case, s=step: f"{c} step {s}: {m}")
+            assert_same_on_all_ranks(ours)
+            before = ours
+        # The run went through DDP's bucket rebuild: one bucket first, several afterwards.
+        assert counting.buckets[0] == 1, (case, counting.buckets)
+        assert counting.buckets[-1] > 1, (case, counting.buckets)
+        seen.append(case)
+    return seen
+
+
+# -- the first update is not lost (torch's is) -----------------------------------------------------
+
+
+def _first_step(rank: int, world: int) -> None:
+    x = batch(rank, 0)
+    ref_model, ref_ddp, ref_zero = reference("sgd", False)
+    train_step(ref_ddp, ref_zero, x, overlap=False)
+
+    model, ddp, zero = overlapped("step", "sgd", False, False)
+    initial = flat_params(model)
+    train_step(ddp, zero, x, overlap=True)
+    torch.testing.assert_close(flat_params(model), flat_params(ref_model))
+    assert not torch.equal(flat_params(model), initial)
+
+    # torch's hook on the same setup performs no update at step 1 (it refuses gloo, so tell it
+    # the backend is NCCL; its non-interleaved hook issues no collective from a callback).
+    torch_model = make_model()
+    torch_ddp = DDP(torch_model, bucket_cap_mb=BUCKET_MB)
+    cls, kwargs = OPTIMS["sgd"]
+    torch_zero = ZeroRedundancyOptimizer(torch_ddp.parameters(), optimizer_class=cls, overlap_with_ddp=True, **kwargs)
+    real_get_backend = torch_zero_hook.dist.get_backend
+    torch_zero_hook.dist.get_backend = lambda *a, **k: "nccl"
+    try:
+        torch_hook = torch_zero_hook.hook_with_zero_step(torch_hooks.allreduce_hook, torch_ddp, torch_zero)
+    finally:
+        torch_zero_hook.dist.get_backend = real_get_backend
+    torch_ddp.register_comm_hook(None, torch_hook)
+    train_step(torch_ddp, torch_zero, x, overlap=True)
+    assert torch.equal(flat_params(torch_model), initial), "torch's overlap hook now updates at step 1"
+
+
+# -- checkpoints at any step, and resume -----------------------------------------------------------
+
+
+def _consolidated(zero: ZeroRedundancyOptimizer) -> dict:
+    """The full optimizer state dict on every rank."""
+    zero.consolidate_state_dict(to=0)
+    box = [zero.state_dict() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _resume(rank: int, world: int, steps: int = 4) -> None:
+    for builder, optim in itertools.product(BUILDERS, OPTIMS):
+        case = f"{builder}-{optim}"
+        model, ddp, zero = overlapped(builder, optim, False, True)
+        trajectory = []
+        for step in range(steps):
+            train_step(ddp, zero, batch(rank, step), overlap=True)
+            trajectory.append(flat_params(model))
+
+        for stop in (0, 2):
+            # Interrupted run: checkpoint after `stop` steps (0: before the first update, where
+            # torch raises), restore into fresh objects, continue.
+            model, ddp, zero = overlapped(builder, optim, False, True)
+            for step in range(stop):
+                train_step(ddp, zero, batch(rank, step), overlap=True)
+            saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+            saved_zero = _consolidated(zero)
+            assert len(saved_zero["state"]) == (0 if stop == 0 else len(list(model.parameters())))
+
+            model, ddp, zero = overlapped(builder, optim, False, True)
+            model.load_state_dict(saved_model)
+            zero.load_state_dict(saved_zero)
+            for step in range(stop, steps):
+                train_step(ddp, zero, batch(rank, step), overlap=True)
+                assert torch.equal(flat_params(model), trajectory[step]), f"{case} resumed at {stop}, step {step}"
+
+    # torch's overlap optimizer cannot even be checkpointed before DDP settles its buckets.
+    torch_zero = ZeroRedundancyOptimizer(
+        make_model().parameters(), optimizer_class=torch.optim.SGD, overlap_with_ddp=True, lr=0.1
+    )
+    with pytest.raises(RuntimeError, match="fully initialized"):
+        torch_zero.consolidate_state_dict()
+
+
+def _interchangeable(rank: int, world: int) -> None:
+    """A non-overlapped ZeRO checkpoint resumes under the overlap hook, and gives the same run."""
+    ref_model, ref_ddp, ref_zero = reference("adam", False)
+    for step in range(2):
+        train_step(ref_ddp, ref_zero, batch(rank, step), overlap=False)
+    saved = _consolidated(ref_zero)
+    model, ddp, zero = overlapped("interleaved", "adam", False, False)
+    model.load_state_dict(ref_model.state_dict())
+    zero.load_state_dict(saved)
+    for step in range(2, 4):
+        train_step(ddp, zero, batch(rank, step), overlap=True)
+        train_step(ref_ddp, ref_zero, batch(rank, step), overlap=False)
+        torch.testing.assert_close(flat_params(model), flat_params(ref_model))
+
+
+# -- the bf16 hook, wrapped ------------------------------------------------------------------------
+
+
+def _bf16(rank: int, world: int) -> None:
+    for builder in BUILDERS:
+        model, ddp, zero = overlapped(builder, "adam", False, True, bf16_compress_hook)
+        ref_model = make_model()
+        ref_ddp = DDP(ref_model, bucket_cap_mb=BUCKET_MB)
+        ref_ddp.register_comm_hook(None, bf16_compress_hook)
+        ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+        for step in range(3):
+            train_step(ddp, zero, batch(rank, step), overlap=True)
+            train_step(ref_ddp, ref_zero, batch(rank, step), overlap=False)
+            # Same bf16 communication on both sides: the same fp32 result.
+            torch.testing.assert_close(flat_params(model), flat_params(ref_model))
+
+
+# -- errors ------------------------------------------------------------------------------------------
+
+
+def _wrong_size_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer()[:1].clone())
+    return fut
+
+
+def _errors(rank: int, world: int) -> None:
+    def fresh(**zero_kwargs: object) -> tuple[DDP, ZeroRedundancyOptimizer]:
+        ddp = DDP(make_model(), bucket_cap_mb=BUCKET_MB)
+        params = zero_kwargs.pop("params", None) or ddp.parameters()
+        zero_kwargs.setdefault("overlap_with_ddp", True)
+        return ddp, ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.SGD, lr=0.1, **zero_kwargs)
+
+    for build in BUILDERS.values():
+        ddp, zero = fresh(overlap_with_ddp=False)
+        with pytest.raises(ValueError, match=r"zero: .*overlap_with_ddp=False.*overlap_with_ddp=True"):
+            build(allreduce_hook, ddp, zero)
+
+        ddp = DDP(make_model(), bucket_cap_mb=BUCKET_MB)
+        groups = [{"params": list(ddp.module[0].parameters())}, {"params": list(ddp.module[2].parameters())}]
+        zero = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
+        with pytest.raises(ValueError, match=r"zero: has 2 parameter groups.*exactly one"):
+            build(allreduce_hook, ddp, zero)
+
+        ddp, zero = fresh(params=list(make_model().parameters()))
+        with pytest.raises(ValueError, match=r"zero: parameters at indices \[0, 1.*ddp.parameters\(\)"):
+            build(allreduce_hook, ddp, zero)
+
+        for bad, pattern in [
+            (None, r"hook: expected a DDP communication hook.*got None"),
+            (post_localSGD_hook, r"hook: post_localSGD_hook cannot be wrapped"),
+            (lambda bucket: bucket, r"hook: <lambda> does not take \(state, bucket\)"),
+        ]:
+            ddp, zero = fresh()
+            with pytest.raises(ValueError, match=pattern):
+                build(bad, ddp, zero)
+        ddp, zero = fresh()
+        ours = build(allreduce_hook, ddp, zero)
+        with pytest.raises(ValueError, match=r"hook: hook_with_zero_step.* cannot be wrapped"):
+            build(ours, *fresh())
+
+        # One hook per optimizer.
+        with pytest.raises(RuntimeError, match=r"zero: .*already drives an overlap hook"):
+            build(allreduce_hook, ddp, zero)
+
+        # Built after a backward pass has run.
+        ddp, zero = fresh()
+        ddp(batch(rank, 0)).sum().backward()
+        with pytest.raises(RuntimeError, match=r"already run a backward pass.*before training starts"):
+            build(allreduce_hook, ddp, zero)
+
+        # Built in time but registered after training started: the first backward says so.
+        ddp, zero = fresh()
+        hook = build(allreduce_hook, ddp, zero)
+        for step in range(2):
+            zero.zero_grad(set_to_none=True)
+            ddp(batch(rank, step)).sum().backward()
+        ddp.register_comm_hook(None, hook)
+        zero.zero_grad(set_to_none=True)
+        with pytest.raises(RuntimeError, match=r"registered after training started"):
+            ddp(batch(rank, 2)).sum().backward()
+
+        # A wrapped hook whose future is not the averaged bucket.
+        ddp, zero = fresh()
+        ddp.register_comm_hook(None, build(_wrong_size_hook, ddp, zero))
+        with pytest.raises(RuntimeError, match=r"hook: the wrapped hook's future gave 1 elements"):
+            ddp(batch(rank, 0)).sum().backward()
+
+
+# -- the tests: few rank launches (each costs seconds), many checks per launch ---------------------
+
+
+def _suite(rank: int, world: int, parts: list[str]) -> int:
+    for part in parts:
+        result = globals()[part](rank, world)
+        if part == "_matrix":
+            assert len(result) == 16
+    return len(parts)
+
+
+def test_world2_every_step_matches_non_overlapped_zero_first_step_bf16() -> None:
+    """The 16-case matrix at world 2, torch's lost first update, and the wrapped bf16 hook."""
+    assert run_ranks(_suite, 2, ["_matrix", "_first_step", "_bf16"]) == [3, 3]
+
+
+def test_world4_every_step_matches_non_overlapped_zero() -> None:
+    assert run_ranks(_suite, 4, ["_matrix"]) == [1] * 4
+
+
+def test_checkpoints_resume_and_errors() -> None:
+    """Checkpoint at step 0 and 2 and resume; a non-overlapped checkpoint resumes; every error."""
+    assert run_ranks(_suite, 2, ["_resume", "_interchangeable", "_errors"]) == [3, 3]

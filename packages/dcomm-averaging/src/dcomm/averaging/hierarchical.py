@@ -60,7 +60,7 @@ def _example(period_group_size_dict: Any, world: int) -> dict[int, int]:
     if len(periods) < 2 or not all(_is_positive_int(p) for p in periods) or periods != sorted(set(periods)):
         periods = [2 * 2**i for i in range(max(2, len(items)))]
     sizes = [s for _, s in items][: len(periods)]
-    sizes += [world] * (len(periods) - len(sizes))
+    sizes += [None] * (len(periods) - len(sizes))
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     fallback = divisors[1] if len(divisors) > 1 else 1
     fixed = [max((d for d in divisors if d <= s), default=fallback) if _is_positive_int(s) else fallback for s in sizes]

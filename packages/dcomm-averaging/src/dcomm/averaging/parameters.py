@@ -107,17 +107,36 @@ def _buckets(flats: list[torch.Tensor], capacity: int) -> Iterator[list[_Segment
         yield bucket
 
 
-def _average_group(flats: list[torch.Tensor], group: dist.ProcessGroup, world: int, cap_bytes: float) -> None:
-    """Average same-device, same-dtype flat views over ``group`` through at most ``cap_bytes``."""
-    dtype, device = flats[0].dtype, flats[0].device
-    total = sum(f.numel() for f in flats)
-    itemsize = flats[0].element_size()
-    if total * itemsize <= cap_bytes:
-        capacity, buffers = total, [torch.empty(total, dtype=dtype, device=device)]
-    else:
-        # Two half-size buffers: pack bucket i + 1 while bucket i is being reduced.
-        capacity = max(1, int(cap_bytes // (2 * itemsize)))
-        buffers = [torch.empty(capacity, dtype=dtype, device=device) for _ in range(2)]
+_ALIGN = 16  # bytes: every dtype's view of a staging buffer starts aligned
+
+
+class _Staging:
+    """The extra memory of one call on one device, shared by every dtype there.
+
+    When the largest dtype group fits in ``cap_bytes`` it is one buffer of that size (one
+    allreduce per dtype); otherwise two buffers of half the cap each, so that packing bucket
+    ``i + 1`` overlaps the allreduce of bucket ``i``. Reusing raw bytes across dtypes keeps the
+    total within the cap however many dtypes there are (at least one element per buffer).
+    """
+
+    def __init__(self, device: torch.device, largest_group_bytes: int, max_itemsize: int, cap_bytes: float) -> None:
+        if largest_group_bytes <= cap_bytes:
+            size = -(-largest_group_bytes // _ALIGN) * _ALIGN
+            self.buffers = [torch.empty(size, dtype=torch.uint8, device=device)]
+        else:
+            half = max(int(cap_bytes // 2) // _ALIGN * _ALIGN, -(-max_itemsize // _ALIGN) * _ALIGN)
+            self.buffers = list(torch.empty(2 * half, dtype=torch.uint8, device=device).split(half))
+
+    def typed(self, dtype: torch.dtype, itemsize: int) -> tuple[list[torch.Tensor], int]:
+        """The buffers as ``dtype`` and how many elements each holds."""
+        capacity = self.buffers[0].numel() // itemsize
+        return [b.narrow(0, 0, capacity * itemsize).view(dtype) for b in self.buffers], capacity
+
+
+def _average_group(flats: list[torch.Tensor], group: dist.ProcessGroup, world: int, staging: _Staging) -> None:
+    """Average same-device, same-dtype flat views over ``group`` through ``staging``."""
+    dtype = flats[0].dtype
+    buffers, capacity = staging.typed(dtype, flats[0].element_size())
     if dtype in _LOW_PRECISION:
         # Split the division around the sum so fp16/bf16 neither overflow nor underflow.
         pre, post = divide_factors(world)
@@ -138,8 +157,7 @@ def _average_group(flats: list[torch.Tensor], group: dist.ProcessGroup, world: i
     for index, segments in enumerate(_buckets(flats, capacity)):
         if len(in_flight) == len(buffers):
             finish(*in_flight.pop(0))
-        buffer = buffers[index % len(buffers)]
-        staged = buffer.narrow(0, 0, sum(s.length for s in segments))
+        staged = buffers[index % len(buffers)].narrow(0, 0, sum(s.length for s in segments))
         if len(segments) == 1:
             staged.copy_(segments[0].view())
         else:
@@ -163,7 +181,7 @@ def average_parameters(
 
     ``process_group`` defaults to WORLD; on a rank outside it this changes nothing. Parameters may
     live on several devices and have several dtypes: each ``(device, dtype)`` group is averaged in
-    its own dtype through buckets of at most ``bucket_cap_mb`` MiB of extra memory in total (a
+    its own dtype through buckets of at most ``bucket_cap_mb`` MiB of extra memory per device (a
     parameter larger than a bucket is split across buckets). fp32/fp64 are divided by the group
     size before the ``SUM`` (as torch does); fp16/bf16 are divided partly before and partly after
     it (:func:`dcomm.core.divide_factors`). No device synchronize: on CUDA the current stream waits
@@ -191,9 +209,19 @@ def average_parameters(
     for device, _ in by_kind:
         _check_device(device, group)
     cap_bytes = bucket_cap_mb * 2**20
+    devices = list(dict.fromkeys(device for device, _ in by_kind))
     with torch.no_grad():
-        for flats in by_kind.values():
-            _average_group(flats, group, world, cap_bytes)
+        for device in devices:
+            groups = [flats for (d, _), flats in by_kind.items() if d == device]
+            staging = _Staging(
+                device,
+                max(sum(f.numel() for f in flats) * flats[0].element_size() for flats in groups),
+                max(flats[0].element_size() for flats in groups),
+                cap_bytes,
+            )
+            for flats in groups:
+                _average_group(flats, group, world, staging)
+            del staging
 
 
 def get_params_to_average(

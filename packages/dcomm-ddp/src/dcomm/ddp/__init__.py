@@ -1,0 +1,31 @@
+"""dcomm.ddp: DDP communication hooks, a one-line import change from torch's.
+
+``from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook``
+becomes ``from dcomm.ddp import fp16_compress_hook``; the names, signatures and results are
+torch's, the hooks are cheaper, and post-local SGD can be checkpointed.
+
+Example::
+
+    >>> from dcomm.ddp import PostLocalSGDState, post_localSGD_hook
+    >>> state = PostLocalSGDState(None, None, start_localSGD_iter=100)  # doctest: +SKIP
+    >>> ddp_model.register_comm_hook(state, post_localSGD_hook)  # doctest: +SKIP
+"""
+
+from dcomm.ddp.__about__ import __version__
+from dcomm.ddp.default_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from dcomm.ddp.post_local_sgd import PostLocalSGDState, post_localSGD_hook
+from dcomm.ddp.zero_overlap import hook_with_zero_step, hook_with_zero_step_interleaved
+
+__all__ = [
+    "__version__",
+    # default_hooks
+    "allreduce_hook",
+    "fp16_compress_hook",
+    "bf16_compress_hook",
+    # post_local_sgd
+    "PostLocalSGDState",
+    "post_localSGD_hook",
+    # zero_overlap
+    "hook_with_zero_step",
+    "hook_with_zero_step_interleaved",
+]

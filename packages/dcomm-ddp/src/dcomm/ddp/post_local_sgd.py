@@ -1,0 +1,214 @@
+"""Post-local SGD for DDP: average gradients globally for a warm-up, then only within a node.
+
+For the first ``start_localSGD_iter`` iterations :func:`post_localSGD_hook` averages gradients
+over ``process_group`` exactly like :func:`~dcomm.ddp.allreduce_hook`. From then on it averages
+them only within ``subgroup`` (one group per node by default), or not at all when
+``post_local_gradient_allreduce=False``; a model averager that runs after ``optimizer.step()``
+(with ``warmup_steps == start_localSGD_iter``) keeps the replicas from drifting apart.
+
+Unlike torch's version, :class:`PostLocalSGDState` can be checkpointed (``state_dict()`` /
+``load_state_dict()``), keeps counting iterations after the switch, builds its intra-node
+subgroups from the launcher's ``LOCAL_WORLD_SIZE`` (so it also works on CPU), and rejects bad
+arguments with an error that says what to pass.
+
+Example::
+
+    >>> from dcomm.ddp import PostLocalSGDState, post_localSGD_hook
+    >>> state = PostLocalSGDState(None, None, start_localSGD_iter=100)  # doctest: +SKIP
+    >>> ddp_model.register_comm_hook(state, post_localSGD_hook)  # doctest: +SKIP
+"""
+
+# No ``from __future__ import annotations``: DDP compares the hook's annotations with the real
+# ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` objects, not with strings.
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dcomm.core import allreduce_future, intra_node_subgroups, resolve_group
+
+__all__ = ["PostLocalSGDState", "post_localSGD_hook"]
+
+logger = logging.getLogger(__name__)
+
+_STATE_KEYS = ("iter", "start_localSGD_iter", "post_local_gradient_allreduce")
+
+
+def _check_count(name: str, value: object, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}: expected a non-negative int, got {value!r}; {fix}")
+    return value
+
+
+def _check_flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
+    return value
+
+
+def _check_group(name: str, value: object, fix: str) -> dist.ProcessGroup | None:
+    if value is None:
+        return None
+    if value is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"{name}: this rank is not a member of the group it was given (dist.new_group returned "
+            f"NON_GROUP_MEMBER here); {fix}"
+        )
+    if not isinstance(value, dist.ProcessGroup):
+        raise ValueError(f"{name}: expected a ProcessGroup or None, got {type(value).__name__}; {fix}")
+    return value
+
+
+class PostLocalSGDState:
+    """What :func:`post_localSGD_hook` needs: the groups, the switch iteration and the counter.
+
+    Args:
+        process_group: the group gradients are averaged over before the switch (WORLD when None).
+        subgroup: the group they are averaged over after it. When None, one group per node is
+            built from ``LOCAL_WORLD_SIZE`` (set by torchrun; else the GPU count, else 1): here if
+            the default process group already exists, otherwise at the first local step. Every
+            rank must construct the state (group creation is collective); a node size that does
+            not divide the world size is a ``ValueError`` here, before training starts.
+        start_localSGD_iter: how many iterations average globally before the switch (>= 0).
+        post_local_gradient_allreduce: average within ``subgroup`` after the switch (True), or
+            leave each rank's gradient untouched (False).
+
+    ``iter`` counts the iterations seen so far (once per backward, on its last bucket), also after
+    the switch. ``state_dict()`` / ``load_state_dict()`` save and restore the counter and the
+    schedule, so a restored job continues exactly where it stopped.
+
+    Example::
+
+        >>> state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=10)  # doctest: +SKIP
+        >>> ddp_model.register_comm_hook(state, post_localSGD_hook)  # doctest: +SKIP
+        >>> torch.save({"hook": state.state_dict(), ...}, "ckpt.pt")  # doctest: +SKIP
+    """
+
+    __slots__ = (
+        "iter",
+        "post_local_gradient_allreduce",
+        "process_group",
+        "start_localSGD_iter",
+        "subgroup",
+    )
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None,
+        subgroup: dist.ProcessGroup | None,
+        start_localSGD_iter: int,
+        post_local_gradient_allreduce: bool = True,
+    ) -> None:
+        self.process_group = _check_group(
+            "process_group", process_group, "pass the group to average over before the switch, or None"
+        )
+        self.subgroup = _check_group(
+            "subgroup",
+            subgroup,
+            "pass the group holding this rank to average within after the switch, or None for one group per node",
+        )
+        self.start_localSGD_iter = _check_count(
+            "start_localSGD_iter",
+            start_localSGD_iter,
+            "pass the number of globally averaged iterations before local SGD starts, e.g. 100",
+        )
+        self.post_local_gradient_allreduce = _check_flag("post_local_gradient_allreduce", post_local_gradient_allreduce)
+        self.iter = 0
+        if self.subgroup is None and self.post_local_gradient_allreduce and dist.is_initialized():
+            self._local_group()
+        logger.info("post-local SGD: local SGD starts after %d iterations", self.start_localSGD_iter)
+
+    def _local_group(self) -> dist.ProcessGroup:
+        """``subgroup``, building the intra-node subgroups on first use."""
+        if self.subgroup is None:
+            self.subgroup, _ = intra_node_subgroups()
+        assert self.subgroup is not None
+        return self.subgroup
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counter and the schedule, as plain Python values (no process groups).
+
+        Example::
+
+            >>> checkpoint["post_local_sgd"] = state.state_dict()  # doctest: +SKIP
+            >>> state.state_dict()  # doctest: +SKIP
+            {'iter': 12, 'start_localSGD_iter': 10, 'post_local_gradient_allreduce': True}
+        """
+        return {key: getattr(self, key) for key in _STATE_KEYS}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved: ``iter`` and the schedule.
+
+        The groups stay those this state was constructed with.
+
+        Example::
+
+            >>> state = PostLocalSGDState(None, None, start_localSGD_iter=10)  # doctest: +SKIP
+            >>> state.load_state_dict(checkpoint["post_local_sgd"])  # doctest: +SKIP
+        """
+        if not isinstance(state_dict, Mapping):
+            raise ValueError(
+                f"state_dict: expected a mapping from PostLocalSGDState.state_dict(), got {type(state_dict).__name__}"
+            )
+        missing = [key for key in _STATE_KEYS if key not in state_dict]
+        if missing:
+            raise ValueError(
+                f"state_dict: missing keys {missing} (has {sorted(state_dict)}); pass what "
+                "PostLocalSGDState.state_dict() returned"
+            )
+        fix = "pass what PostLocalSGDState.state_dict() returned"
+        it = _check_count("state_dict['iter']", state_dict["iter"], fix)
+        start = _check_count("state_dict['start_localSGD_iter']", state_dict["start_localSGD_iter"], fix)
+        flag = _check_flag("state_dict['post_local_gradient_allreduce']", state_dict["post_local_gradient_allreduce"])
+        self.iter, self.start_localSGD_iter, self.post_local_gradient_allreduce = it, start, flag
+
+    def __repr__(self) -> str:
+        return (
+            f"PostLocalSGDState(iter={self.iter}, start_localSGD_iter={self.start_localSGD_iter}, "
+            f"post_local_gradient_allreduce={self.post_local_gradient_allreduce})"
+        )
+
+
+def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
+
+
+def post_localSGD_hook(state: PostLocalSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket globally before ``state.start_localSGD_iter``, locally after it.
+
+    Before the switch: divide by the size of ``state.process_group`` and sum over it, bit-identical
+    to :func:`~dcomm.ddp.allreduce_hook` and torch's hook. After it: the same within
+    ``state.subgroup``, or nothing when ``state.post_local_gradient_allreduce`` is False. The
+    iteration counter advances once per backward, on its last bucket.
+
+    Example::
+
+        >>> state = PostLocalSGDState(None, None, start_localSGD_iter=10)  # doctest: +SKIP
+        >>> ddp_model.register_comm_hook(state, post_localSGD_hook)  # doctest: +SKIP
+        >>> averager = PeriodicModelAverager(period=4, warmup_steps=10)  # doctest: +SKIP
+        >>> # each step: loss.backward(); opt.step(); averager.average_parameters(model.parameters())
+    """
+    if not isinstance(state, PostLocalSGDState):
+        raise ValueError(
+            f"state: post_localSGD_hook expects a PostLocalSGDState, got {type(state).__name__}; "
+            "register it as ddp_model.register_comm_hook(PostLocalSGDState(...), post_localSGD_hook)"
+        )
+    buffer = bucket.buffer()
+    local = state.iter >= state.start_localSGD_iter
+    group: dist.ProcessGroup | None = None
+    if not local:
+        group = resolve_group(state.process_group)
+    elif state.post_local_gradient_allreduce:
+        group = state._local_group()
+    if bucket.is_last():
+        state.iter += 1
+        if state.iter == state.start_localSGD_iter:
+            logger.info("post-local SGD: local SGD from iteration %d on", state.iter)
+    if group is None or group.size() == 1:
+        return _done(buffer)
+    return allreduce_future(buffer, group, predivide=float(group.size()))

@@ -1,0 +1,228 @@
+"""dcomm's DDP hooks against torch's, trained side by side on real gloo ranks.
+
+Every rank gets its own batches (seeded by rank and step), so parameters agree across ranks only
+when the hook really averaged. Tolerances: 0 for the fp32 allreduce (same arithmetic as torch),
+2.5e-3 relative for fp16, 2.5e-2 for bf16 (of each parameter's change over the run; see
+FP16_RTOL).
+"""
+
+import inspect
+import multiprocessing.forkserver
+import sys
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import dcomm.ddp
+from dcomm.core.testing import run_ranks
+from dcomm.ddp import PostLocalSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _preload_ddp_in_forkserver() -> None:
+    # DDP's constructor imports torch._dynamo: seconds per rank process. Importing it once in
+    # the fork server that run_ranks starts ranks from (if not yet running) saves that per rank.
+    if sys.platform.startswith("linux"):
+        multiprocessing.forkserver.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+        multiprocessing.forkserver.ensure_running()
+
+
+STEPS = 4
+# Relative error allowed in the parameter changes: the casts, divisions and world - 1 additions of
+# the low-precision allreduce round each gradient a few times to 2**-11 (fp16) or 2**-8 (bf16),
+# and momentum carries that into every later step. Measured at worlds 2-4: at most 1.7e-3 (fp16)
+# and 1.5e-2 (bf16), for torch's hooks and for dcomm's alike.
+FP16_RTOL = 2.5e-3
+BF16_RTOL = 2.5e-2
+# Per-bucket caps of ~300 bytes: every parameter gets its own bucket, so a step has several.
+BUCKET_CAPS = [0.0003] * 8
+
+
+def torch_bf16_hook(
+    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    # DDP refuses to register anything named "bf16_compress_hook" without NCCL; torch's hook
+    # itself runs fine on gloo.
+    return torch_hooks.bf16_compress_hook(process_group, bucket)
+
+
+DTYPES = (torch.float16, torch.float32, torch.float64)
+
+
+def make_model(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)  # the same initial parameters on every rank and for every run
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3)).to(dtype)
+
+
+INITIAL = {dtype: [p.detach().clone() for p in make_model(dtype).parameters()] for dtype in DTYPES}
+
+
+def batch(rank: int, step: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(10_000 * step + rank)
+    return (torch.randn(5, 6, generator=gen, dtype=torch.float64) * (rank + 1)).to(dtype)
+
+
+def train(
+    hook: Callable | None, state: object, dtype: torch.dtype = torch.float32, models: int = 1
+) -> list[torch.Tensor]:
+    """Parameters after STEPS steps of SGD with momentum; ``models`` DDP models share a backward."""
+    rank = dist.get_rank()
+    nets = [make_model(dtype) for _ in range(models)]
+    ddps = [DDP(net, bucket_cap_mb_list=BUCKET_CAPS) for net in nets]
+    if hook is not None:
+        for ddp in ddps:
+            ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD([p for net in nets for p in net.parameters()], lr=0.05, momentum=0.9)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x = batch(rank, step, dtype)
+        sum(ddp(x * (i + 1)).pow(2).sum() for i, ddp in enumerate(ddps)).backward()
+        opt.step()
+    return [p.detach().clone() for net in nets for p in net.parameters()]
+
+
+def assert_close(ours: list[torch.Tensor], ref: list[torch.Tensor], rtol: float, what: str) -> None:
+    """Equal parameters (``rtol == 0``), or parameter changes equal within ``rtol``.
+
+    The error is measured against the largest change of each parameter tensor over the run, so
+    it is the relative error of the training updates, not hidden by the initial values.
+    """
+    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        if rtol == 0:
+            assert torch.equal(a, b), f"{what}: parameter {i} differs: max |diff| {(a - b).abs().max()}"
+            continue
+        start = INITIAL[a.dtype][i % len(INITIAL[a.dtype])]
+        change = (b - start).abs().max().item()
+        assert change > 0, f"{what}: parameter {i} did not train"
+        error = (a - b).abs().max().item() / change
+        assert error <= rtol, f"{what}: parameter {i} off by {error:.2e} of its change, more than {rtol}"
+
+
+def assert_same_on_ranks(params: list[torch.Tensor], group: dist.ProcessGroup | None, what: str) -> None:
+    for p in params:
+        gathered = [torch.empty_like(p) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, p, group=group)
+        assert all(torch.equal(g, gathered[0]) for g in gathered), f"{what}: replicas differ"
+
+
+def _parity(rank: int, world: int) -> None:
+    fp32 = train(torch_hooks.allreduce_hook, None)
+    ours = train(allreduce_hook, None)
+    assert_close(ours, fp32, 0, "allreduce_hook vs torch")
+    assert_same_on_ranks(ours, None, "allreduce_hook")
+
+    cases = [
+        ("fp16", fp16_compress_hook, torch_hooks.fp16_compress_hook, FP16_RTOL),
+        ("bf16", bf16_compress_hook, torch_bf16_hook, BF16_RTOL),
+    ]
+    for name, hook, torch_hook, rtol in cases:
+        ours = train(hook, None)
+        assert_close(ours, train(torch_hook, None), rtol, f"{name} vs torch's")
+        assert_close(ours, fp32, rtol, f"{name} vs fp32 allreduce")
+        assert_same_on_ranks(ours, None, name)
+        # Two DDP models in one backward: their buckets are in flight at the same time, so
+        # each must have its own low-precision buffer.
+        pair = train(hook, None, models=2)
+        assert_close(pair, train(torch_hook, None, models=2), rtol, f"{name}, two models vs torch's")
+
+    # The bucket is already fp16: averaged in place, the same arithmetic as torch's.
+    half = train(fp16_compress_hook, None, dtype=torch.float16)
+    assert_close(half, train(torch_hooks.fp16_compress_hook, None, dtype=torch.float16), 0, "fp16 model")
+    # A float64 bucket compressed to bf16.
+    double = train(bf16_compress_hook, None, dtype=torch.float64)
+    assert_close(double, train(torch_bf16_hook, None, dtype=torch.float64), BF16_RTOL, "bf16 on float64")
+
+    if world % 2 == 0 and world > 2:
+        # State = a subgroup: average within pairs [0, 1], [2, 3], ...
+        pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+        mine = pairs[rank // 2]
+        for hook, torch_hook, rtol in [
+            (allreduce_hook, torch_hooks.allreduce_hook, 0),
+            (fp16_compress_hook, torch_hooks.fp16_compress_hook, FP16_RTOL),
+        ]:
+            ours = train(hook, mine)
+            assert_close(ours, train(torch_hook, mine), rtol, f"{hook.__name__} on a subgroup")
+            assert_same_on_ranks(ours, mine, "subgroup")
+            other = [torch.empty_like(ours[0]) for _ in range(world)]
+            dist.all_gather(other, ours[0])
+            assert not torch.equal(other[0], other[2]), "ranks of different subgroups agree"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_hooks_match_torch(world: int) -> None:
+    run_ranks(_parity, world)
+
+
+def _steady_state_and_errors(rank: int, world: int) -> None:
+    # The low-precision copy of each bucket is allocated once (after DDP's bucket rebuild at
+    # step 1) and reused: no allocation per step.
+    seen: list[list[int]] = []
+
+    def recording(
+        process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        fut = fp16_compress_hook(process_group, bucket)
+        if bucket.index() == 0:
+            seen.append([])
+        seen[-1].append(bucket.buffer()._dcomm_ddp_low_precision.data_ptr())
+        return fut
+
+    net = make_model(torch.float32)
+    ddp = DDP(net, bucket_cap_mb_list=BUCKET_CAPS)
+    ddp.register_comm_hook(None, recording)
+    for step in range(5):
+        ddp(batch(rank, step, torch.float32)).sum().backward()
+    assert len(seen[1]) > 1, seen
+    assert seen[1] == seen[2] == seen[3] == seen[4], seen
+
+    # Gradients whose fp16 cast overflows: torch's hook returns inf, the average is finite here.
+    scale = torch.tensor([7e4 if rank == 0 else 1e4])
+    results = []
+    for hook in (fp16_compress_hook, torch_hooks.fp16_compress_hook):
+        torch.manual_seed(0)
+        lin = nn.Linear(1, 1, bias=False)
+        lin.weight.data.fill_(1.0)
+        ddp = DDP(lin)
+        ddp.register_comm_hook(None, hook)
+        (ddp(torch.ones(1, 1)) * scale).sum().backward()
+        results.append(lin.weight.grad.item())
+    assert results[0] == pytest.approx(4e4, rel=1e-3), results
+    assert results[1] == float("inf"), results
+
+    # A state that is not a process group: a clear error from backward, on every rank, no hang.
+    for hook in (allreduce_hook, fp16_compress_hook, bf16_compress_hook):
+        ddp = DDP(make_model(torch.float32))
+        ddp.register_comm_hook(PostLocalSGDState(None, None, 1, post_local_gradient_allreduce=False), hook)
+        with pytest.raises(Exception, match=r"process_group: \w+ expects a ProcessGroup or None as its state"):
+            ddp(batch(rank, 0, torch.float32)).sum().backward()
+
+
+def test_steady_state_overflow_and_errors() -> None:
+    run_ranks(_steady_state_and_errors, 2)
+
+
+@pytest.mark.parametrize("name", ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"])
+def test_signature_matches_torch(name: str) -> None:
+    ours, theirs = inspect.signature(getattr(dcomm.ddp, name)), inspect.signature(getattr(torch_hooks, name))
+    assert list(ours.parameters) == list(theirs.parameters) == ["process_group", "bucket"]
+    assert ours.parameters["bucket"].annotation is dist.GradBucket
+    assert ours.return_annotation == torch.futures.Future[torch.Tensor] == theirs.return_annotation
+    # DDP refuses a hook *named* bf16_compress_hook on builds without NCCL; ours runs on gloo.
+    assert getattr(dcomm.ddp, name).__qualname__ == name
+
+
+def test_public_names() -> None:
+    assert set(dcomm.ddp.__all__) >= {
+        "__version__",
+        "allreduce_hook",
+        "fp16_compress_hook",
+        "bf16_compress_hook",
+        "PostLocalSGDState",
+        "post_localSGD_hook",
+    }
+    assert dcomm.ddp.__version__.count(".") == 2

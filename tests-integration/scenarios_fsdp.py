@@ -1,0 +1,159 @@
+"""dcomm.fsdp on any backend: FSDP hooks against torch's, fully_shard fp16/bf16 against float32.
+
+``fsdp_hooks``: a nested FSDP model is trained for a few SGD steps on data that differs per rank,
+for each strategy (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD), once with dcomm's hook and once with
+torch's. The fp32 hooks must give bit-identical shards and gradients (same arithmetic); the fp16
+and bf16 hooks must agree within 1e-3 and 1e-2 relative. ``fsdp2_low_precision_reduction``:
+a nested ``fully_shard`` model with :func:`dcomm.fsdp.use_low_precision_reduction` against the
+same model reducing in float32 (gradients and parameters after a few steps) and against the
+float64 mean of every rank's gradient.
+
+torch's own fp16/bf16 FSDP hooks call ``record_stream`` with a CPU stream and crash on CPU
+tensors (torch 2.13); on gloo the scenario makes that call a no-op for CPU tensors while torch's
+hooks run, and restores it afterwards.
+
+Example::
+
+    python3 -m pytest tests-integration -n 2 -q -k fsdp  # gloo; tests-integration/run.py for NCCL
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from harness import device, scenario
+from torch import nn
+from torch.distributed.algorithms._comm_hooks import default_hooks as torch_hooks
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import ShardingStrategy, fully_shard
+
+from dcomm.core import DefaultState, LowPrecisionState
+from dcomm.fsdp import (
+    allreduce_hook,
+    bf16_compress_hook,
+    fp16_compress_hook,
+    reduce_scatter_hook,
+    register_comm_hook,
+    use_low_precision_reduction,
+)
+
+STEPS = 3
+TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+@contextlib.contextmanager
+def _torch_hooks_runnable_on_cpu() -> Iterator[None]:
+    original = torch.Tensor.record_stream
+
+    def record_stream(self: torch.Tensor, stream: torch.Stream) -> None:
+        if self.device.type != "cpu":
+            original(self, stream)
+
+    torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.record_stream = original  # type: ignore[method-assign]
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(8, 16, generator=gen) * (rank + 1), torch.randn(8, 4, generator=gen)
+    return x.to(device()), y.to(device())
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 33), nn.Tanh(), nn.Linear(33, 4))  # 561 + 136 numel: padded
+
+
+def _train_fsdp(strategy: ShardingStrategy, state: object, hook: object) -> tuple[list[torch.Tensor], ...]:
+    net = _net().to(device())
+    net[0] = FSDP(net[0], sharding_strategy=strategy, device_id=device())
+    model = FSDP(net, sharding_strategy=strategy, device_id=device())
+    if hook in (allreduce_hook, reduce_scatter_hook, fp16_compress_hook, bf16_compress_hook):
+        register_comm_hook(model, state, hook)  # type: ignore[arg-type]
+    else:
+        model.register_comm_hook(state, hook)  # type: ignore[arg-type]
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    grads: list[torch.Tensor] = []
+    for step in range(STEPS):
+        x, y = _batch(dist.get_rank(), step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if step == 0:
+            grads = [p.grad.detach().clone() for p in model.parameters()]
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], grads
+
+
+def _close(ours: list[torch.Tensor], ref: list[torch.Tensor], tol: float, what: str) -> None:
+    assert len(ours) == len(ref) > 0, what
+    for a, b in zip(ours, ref, strict=True):
+        assert a.dtype == torch.float32, (what, a.dtype)
+        b = b.to(a.device, torch.float64)
+        torch.testing.assert_close(
+            a.double(), b, rtol=tol, atol=tol * b.abs().max().item(), msg=lambda m: f"{what}: {m}"
+        )
+
+
+@scenario(min_world_size=2)
+def scenario_fsdp_hooks(rank: int, world_size: int) -> None:
+    group = dist.group.WORLD
+    for strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD):
+        sharded = strategy is not ShardingStrategy.NO_SHARD
+        ours = reduce_scatter_hook if sharded else allreduce_hook
+        theirs = torch_hooks.reduce_scatter_hook if sharded else torch_hooks.allreduce_hook
+        fp32 = _train_fsdp(strategy, DefaultState(group), ours)
+        ref = _train_fsdp(strategy, torch_hooks.DefaultState(group), theirs)
+        for a, b in zip(fp32[0] + fp32[1], ref[0] + ref[1], strict=True):
+            assert torch.equal(a, b), f"{strategy.name}: fp32 hook differs from torch's"
+        for dtype, hook, torch_hook in (
+            (torch.float16, fp16_compress_hook, torch_hooks.fp16_compress_hook),
+            (torch.bfloat16, bf16_compress_hook, torch_hooks.bf16_compress_hook),
+        ):
+            what = f"{strategy.name}/{dtype}"
+            params, grads = _train_fsdp(strategy, LowPrecisionState(group), hook)
+            with _torch_hooks_runnable_on_cpu():
+                ref_params, ref_grads = _train_fsdp(strategy, torch_hooks.LowPrecisionState(group), torch_hook)
+            _close(grads, ref_grads, TOL[dtype], f"{what} gradients vs torch's hook")
+            _close(params, ref_params, TOL[dtype], f"{what} parameters vs torch's hook")
+            _close(grads, fp32[1], TOL[dtype], f"{what} gradients vs fp32 reduction")
+
+
+def _train_fully_shard(dtype: torch.dtype | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    net = _net().to(device())
+    fully_shard(net[0])
+    fully_shard(net)
+    if dtype is not None:
+        use_low_precision_reduction(net, dtype)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    grads: list[torch.Tensor] = []
+    for step in range(STEPS):
+        x, y = _batch(dist.get_rank(), step)
+        opt.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        if step == 0:
+            grads = [p.grad.full_tensor() for p in net.parameters()]
+        opt.step()
+    return grads, [p.detach().full_tensor() for p in net.parameters()]
+
+
+@scenario(min_world_size=2)
+def scenario_fsdp2_low_precision_reduction(rank: int, world_size: int) -> None:
+    ref = _net().double().to(device())
+    for r in range(world_size):
+        x, y = _batch(r, 0)
+        (nn.functional.mse_loss(ref(x.double()), y.double()) / world_size).backward()
+    exact = [p.grad for p in ref.parameters()]
+    fp32_grads, fp32_params = _train_fully_shard(None)
+    _close(fp32_grads, exact, 1e-5, "fp32 fully_shard vs float64 mean")
+    for dtype, tol in TOL.items():
+        grads, params = _train_fully_shard(dtype)
+        _close(grads, exact, tol, f"{dtype} gradients vs float64 mean")
+        _close(grads, fp32_grads, tol, f"{dtype} gradients vs float32 reduction")
+        _close(params, fp32_params, tol, f"{dtype} parameters vs float32 reduction")
+        assert any(not torch.equal(a, b) for a, b in zip(grads, fp32_grads, strict=True)), dtype

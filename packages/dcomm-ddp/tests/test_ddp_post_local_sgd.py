@@ -1,0 +1,290 @@
+"""Post-local SGD against torch's PostLocalSGDState/hook on 4 gloo ranks in 2 simulated nodes.
+
+Every rank trains on its own batches, so the parameters show which ranks communicated: all
+equal before the switch, equal within a node after it (``post_local_gradient_allreduce=True``),
+all different without it. dcomm's run must equal torch's bit for bit (the same fp32 arithmetic).
+"""
+
+import copy
+import multiprocessing.forkserver
+import sys
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_plsgd
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dcomm.core.testing import run_ranks
+from dcomm.ddp import PostLocalSGDState, post_localSGD_hook
+
+STEPS = 6
+START = 3
+BUCKET_CAPS = [0.0003] * 8  # several buckets per step: the counter must advance once per step
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _preload_ddp_in_forkserver() -> None:
+    # DDP's constructor imports torch._dynamo: seconds per rank process. Importing it once in
+    # the fork server that run_ranks starts ranks from (if not yet running) saves that per rank.
+    if sys.platform.startswith("linux"):
+        multiprocessing.forkserver.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+        multiprocessing.forkserver.ensure_running()
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
+
+
+class BackwardOrdered(nn.Module):
+    """The same network as make_model(), parameters registered in the order backward fills them.
+
+    DDP lays out its first step's buckets in parameter order and rebuilds them in gradient-ready
+    order after it, so a freshly restored DDP reduces one step with a different layout; with more
+    than 2 ranks the sum then runs in a different order and can change the last bit. Registered
+    in ready order, both layouts are the same: a resumed run can be compared bit for bit.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        first, second = make_model()[0], make_model()[2]
+        self.b2, self.w2 = nn.Parameter(second.bias.detach()), nn.Parameter(second.weight.detach())
+        self.b1, self.w1 = nn.Parameter(first.bias.detach()), nn.Parameter(first.weight.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(torch.tanh(nn.functional.linear(x, self.w1, self.b1)), self.w2, self.b2)
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(10_000 * step + rank)
+    return torch.randn(5, 6, generator=gen) * (rank + 1)
+
+
+class Run:
+    """A DDP model, its optimizer, the hook state and an optional torch averager."""
+
+    def __init__(
+        self, hook: Callable, state: object, period: int = 0, caps: list | None = BUCKET_CAPS, ordered: bool = False
+    ) -> None:
+        self.model = BackwardOrdered() if ordered else make_model()
+        self.ddp = DDP(self.model, bucket_cap_mb_list=caps)
+        self.ddp.register_comm_hook(state, hook)
+        self.state = state
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        self.averager = PeriodicModelAverager(period, warmup_steps=START) if period else None
+
+    def step(self, step: int) -> None:
+        self.opt.zero_grad()
+        self.ddp(batch(dist.get_rank(), step)).pow(2).sum().backward()
+        self.opt.step()
+        if self.averager is not None:
+            self.averager.average_parameters(self.model.parameters())
+
+    def train(self, first: int = 0, last: int = STEPS) -> list[torch.Tensor]:
+        for step in range(first, last):
+            self.step(step)
+        return self.params()
+
+    def params(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.parameters()]
+
+    def checkpoint(self) -> dict:
+        return copy.deepcopy(
+            {
+                "hook": self.state.state_dict(),
+                "model": self.model.state_dict(),
+                "opt": self.opt.state_dict(),
+                "averager_step": self.averager.step if self.averager else None,
+            }
+        )
+
+
+def assert_equal(ours: list[torch.Tensor], theirs: list[torch.Tensor], what: str) -> None:
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert torch.equal(a, b), f"{what}: parameter {i} differs by {(a - b).abs().max()}"
+
+
+def agreement(params: list[torch.Tensor]) -> list[list[int]]:
+    """Ranks grouped by identical parameters, e.g. [[0, 1], [2, 3]]."""
+    flat = torch.cat([p.reshape(-1) for p in params])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    groups: list[list[int]] = []
+    for r, g in enumerate(gathered):
+        for group in groups:
+            if torch.equal(gathered[group[0]], g):
+                group.append(r)
+                break
+        else:
+            groups.append([r])
+    return groups
+
+
+def _switching(rank: int, world: int) -> None:
+    nodes = [[0, 1], [2, 3]]
+    torch_node, _ = dist.new_subgroups_by_enumeration(nodes)  # torch's default needs GPUs
+
+    for post_local in (True, False):
+        ours = PostLocalSGDState(None, None, START, post_local_gradient_allreduce=post_local)
+        theirs = torch_plsgd.PostLocalSGDState(None, torch_node, START, post_local)
+        if post_local:
+            # Built at construction from LOCAL_WORLD_SIZE=2.
+            assert dist.get_process_group_ranks(ours.subgroup) == nodes[rank // 2]
+        else:
+            assert ours.subgroup is None  # never needed, never built
+        mine = Run(post_localSGD_hook, ours).train()
+        assert_equal(mine, Run(torch_plsgd.post_localSGD_hook, theirs).train(), f"post_local={post_local}")
+        assert ours.iter == STEPS  # keeps counting after the switch
+        assert theirs.iter == START  # torch's stops
+        assert agreement(mine) == (nodes if post_local else [[0], [1], [2], [3]])
+
+        # Stopped before the switch, every rank still agrees: the switch happens at START.
+        before = PostLocalSGDState(dist.group.WORLD, None, START, post_local_gradient_allreduce=post_local)
+        params = Run(post_localSGD_hook, before).train(last=START)
+        assert before.iter == START
+        assert agreement(params) == [[0, 1, 2, 3]]
+
+    # Local from the first step.
+    ours = PostLocalSGDState(None, None, 0)
+    theirs = torch_plsgd.PostLocalSGDState(None, torch_node, 0)
+    mine = Run(post_localSGD_hook, ours).train()
+    assert_equal(mine, Run(torch_plsgd.post_localSGD_hook, theirs).train(), "start_localSGD_iter=0")
+    assert agreement(mine) == nodes
+
+    # With torch's periodic averager after each optimizer step, as post-local SGD is meant to run.
+    ours = PostLocalSGDState(None, None, START)
+    theirs = torch_plsgd.PostLocalSGDState(None, torch_node, START)
+    mine = Run(post_localSGD_hook, ours, period=2).train()
+    assert_equal(mine, Run(torch_plsgd.post_localSGD_hook, theirs, period=2).train(), "with averager")
+
+    # Subgroups built lazily, at the first local step inside the hook, on every rank at once.
+    lazy = PostLocalSGDState(None, None, START, post_local_gradient_allreduce=False)
+    lazy.post_local_gradient_allreduce = True
+    assert lazy.subgroup is None
+    mine = Run(post_localSGD_hook, lazy).train()
+    assert dist.get_process_group_ranks(lazy.subgroup) == nodes[rank // 2]
+    theirs = torch_plsgd.PostLocalSGDState(None, torch_node, START)
+    assert_equal(mine, Run(torch_plsgd.post_localSGD_hook, theirs).train(), "lazy subgroups")
+
+    # The wrong state type: a clear error from backward on every rank, nothing hangs.
+    run = Run(post_localSGD_hook, dist.group.WORLD)
+    with pytest.raises(Exception, match="state: post_localSGD_hook expects a PostLocalSGDState, got"):
+        run.step(0)
+
+
+def test_switches_like_torch() -> None:
+    run_ranks(_switching, 4, env={"LOCAL_WORLD_SIZE": "2"})
+
+
+def _resume(rank: int, world: int) -> None:
+    # World 2: a sum of two is the same in any order, any bucket layout resumes exactly.
+    # World 4: one bucket whose layout DDP keeps (see BackwardOrdered).
+    layout = {"caps": BUCKET_CAPS} if world == 2 else {"caps": None, "ordered": True}
+    for post_local in (True, False):
+        state = PostLocalSGDState(None, None, START, post_local)
+        reference = Run(post_localSGD_hook, state, period=3, **layout)
+        checkpoints = []
+        for step in range(STEPS):
+            reference.step(step)
+            checkpoints.append(reference.checkpoint())
+        final = reference.params()
+        assert agreement(final) != [list(range(world))]  # the run ended between averages
+
+        for stopped in (1, START - 1, START, STEPS - 2):  # before, at and after the switch
+            ckpt = checkpoints[stopped - 1]
+            state = PostLocalSGDState(None, None, START, post_local)
+            restored = Run(post_localSGD_hook, state, period=3, **layout)
+            # After DDP's constructor, which broadcasts rank 0's parameters: replicas differ after
+            # local steps, and each rank restores its own.
+            restored.model.load_state_dict(ckpt["model"])
+            restored.opt.load_state_dict(ckpt["opt"])
+            restored.averager.step = ckpt["averager_step"]
+            state.load_state_dict(ckpt["hook"])
+            assert state.iter == stopped
+            assert_equal(restored.train(first=stopped), final, f"post_local={post_local}, resumed at {stopped}")
+            assert state.iter == STEPS
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_resume_at_any_step_is_bit_identical(world: int) -> None:
+    # World 2 as two one-rank nodes: after the switch nothing is averaged but the model.
+    run_ranks(_resume, world, env={"LOCAL_WORLD_SIZE": "1" if world == 2 else "2"})
+
+
+def _node_size_does_not_divide(rank: int, world: int) -> None:
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE: 3 does not divide the group size 4; use one of"):
+        PostLocalSGDState(None, None, 2)
+    # No subgroup needed, none built: constructing is fine.
+    assert PostLocalSGDState(None, None, 2, post_local_gradient_allreduce=False).subgroup is None
+    # A rank outside the subgroup it is given.
+    outside = dist.new_group([0, 1])
+    if rank >= 2:
+        with pytest.raises(ValueError, match="subgroup: this rank is not a member"):
+            PostLocalSGDState(None, outside, 2)
+
+
+def test_node_size_must_divide_world() -> None:
+    run_ranks(_node_size_does_not_divide, 4, env={"LOCAL_WORLD_SIZE": "3"})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"start_localSGD_iter": -1}, r"start_localSGD_iter: expected a non-negative int, got -1; pass"),
+        ({"start_localSGD_iter": 2.5}, r"start_localSGD_iter: expected a non-negative int, got 2\.5"),
+        ({"start_localSGD_iter": True}, r"start_localSGD_iter: expected a non-negative int, got True"),
+        ({"start_localSGD_iter": "10"}, r"start_localSGD_iter: expected a non-negative int, got '10'"),
+        ({"post_local_gradient_allreduce": "yes"}, r"post_local_gradient_allreduce: expected True or False"),
+        ({"process_group": 3}, r"process_group: expected a ProcessGroup or None, got int; pass"),
+        ({"subgroup": "node"}, r"subgroup: expected a ProcessGroup or None, got str; pass"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, match: str) -> None:
+    args = {"process_group": None, "subgroup": None, "start_localSGD_iter": 3} | kwargs
+    with pytest.raises(ValueError, match=match):
+        PostLocalSGDState(**args)
+
+
+def test_state_dict_round_trip_and_bad_state_dicts() -> None:
+    state = PostLocalSGDState(None, None, 5, post_local_gradient_allreduce=False)
+    state.iter = 7
+    saved = state.state_dict()
+    assert saved == {"iter": 7, "start_localSGD_iter": 5, "post_local_gradient_allreduce": False}
+    fresh = PostLocalSGDState(None, None, 0)
+    fresh.load_state_dict(saved)
+    assert (fresh.iter, fresh.start_localSGD_iter, fresh.post_local_gradient_allreduce) == (7, 5, False)
+    assert "iter=7" in repr(fresh)
+    with pytest.raises(AttributeError):
+        fresh.unknown = 1  # __slots__
+
+    with pytest.raises(ValueError, match="state_dict: expected a mapping"):
+        fresh.load_state_dict([7, 5, False])
+    with pytest.raises(ValueError, match=r"state_dict: missing keys \['start_localSGD_iter'"):
+        fresh.load_state_dict({"iter": 1})
+    with pytest.raises(ValueError, match=r"state_dict\['iter'\]: expected a non-negative int, got -2"):
+        fresh.load_state_dict(saved | {"iter": -2})
+    with pytest.raises(ValueError, match=r"state_dict\['post_local_gradient_allreduce'\]: expected True or False"):
+        fresh.load_state_dict(saved | {"post_local_gradient_allreduce": 1})
+    assert fresh.state_dict() == saved  # a rejected load changes nothing
+
+
+def test_hook_rejects_other_states() -> None:
+    with pytest.raises(ValueError, match="state: post_localSGD_hook expects a PostLocalSGDState, got NoneType"):
+        post_localSGD_hook(None, None)  # type: ignore[arg-type]
+
+
+def test_public_attributes_match_torch() -> None:
+    ours = PostLocalSGDState(None, None, 4, False)
+    theirs = torch_plsgd.PostLocalSGDState(None, None, 4, False)
+    for name in ("process_group", "subgroup", "start_localSGD_iter", "post_local_gradient_allreduce", "iter"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+
+
+def test_construction_without_process_group_defers_subgroups() -> None:
+    # No default group yet: nothing is built until the first local step.
+    assert not dist.is_initialized()
+    assert PostLocalSGDState(None, None, 3).subgroup is None

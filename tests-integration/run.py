@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import load_all  # noqa: E402
+from harness import load_all
 
 
 def main() -> int:
@@ -55,7 +55,7 @@ def main() -> int:
             if args.backend == "nccl":
                 torch.cuda.synchronize()
             error = ""
-        except Exception:  # noqa: BLE001 - reported below
+        except Exception:
             error = traceback.format_exc()
         seconds = time.perf_counter() - start
         errors: list[str] = [""] * world

@@ -96,9 +96,7 @@ def _intra_node(rank: int, world: int) -> list[int]:
         (4, "1", [[0], [1], [2], [3]]),
     ],
 )
-def test_intra_node_subgroups_follow_local_world_size(
-    world: int, local: str, expected: list[list[int]]
-) -> None:
+def test_intra_node_subgroups_follow_local_world_size(world: int, local: str, expected: list[list[int]]) -> None:
     assert run_ranks(_intra_node, world, env={"LOCAL_WORLD_SIZE": local}) == expected
 
 

@@ -28,9 +28,7 @@ def divide_factors(world_size: int) -> tuple[float, float]:
         (4.0, 1.5)
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(
-            f"world_size: expected a positive int, got {world_size!r}; pass dist.get_world_size(group)"
-        )
+        raise ValueError(f"world_size: expected a positive int, got {world_size!r}; pass dist.get_world_size(group)")
     pre = 1
     while world_size % pre == 0 and world_size / pre > pre:
         pre *= 2

@@ -30,9 +30,7 @@ def cast_for_communication(tensor: torch.Tensor, dtype: torch.dtype, divide_by: 
         tensor([0.5000, 0.5000], dtype=torch.float16)
     """
     if dtype not in LOW_PRECISION_DTYPES:
-        raise ValueError(
-            f"dtype: expected torch.float16 or torch.bfloat16, got {dtype!r}; use the fp16 or bf16 hook"
-        )
+        raise ValueError(f"dtype: expected torch.float16 or torch.bfloat16, got {dtype!r}; use the fp16 or bf16 hook")
     out = torch.empty_like(tensor, dtype=dtype)
     if divide_by == 1.0:
         return out.copy_(tensor)

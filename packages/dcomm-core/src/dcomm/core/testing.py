@@ -41,7 +41,7 @@ class RankFailure(RuntimeError):
 def _context() -> multiprocessing.context.BaseContext:
     if sys.platform.startswith("linux"):
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.nn.parallel"])
         return ctx
     return multiprocessing.get_context("spawn")
 

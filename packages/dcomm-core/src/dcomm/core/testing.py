@@ -79,6 +79,7 @@ def _rank_main(
             timeout=timedelta(seconds=timeout),
             device_id=device_id,
         )
+        _wait_for_all(store, "dcomm/initialized", world_size, timeout)
         try:
             value = fn(rank, world_size, *args)
         finally:
@@ -89,6 +90,16 @@ def _rank_main(
 
 
 _GRACE_S = 10.0
+
+
+def _wait_for_all(store: Any, key: str, world_size: int, timeout: float) -> None:
+    """Store barrier: no rank may start (and quickly tear down) before every rank's connections are up."""
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout
+    while store.add(key, 0) < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{key}: not every rank of {world_size} joined within {timeout:.0f}s")
+        time.sleep(0.005)
 
 
 def _drain(results: Any, outcomes: dict[int, tuple[bool, Any]]) -> None:

@@ -45,7 +45,7 @@ DISTRIBUTIONS = ("dcomm-core", "dcomm-ddp", "dcomm-fsdp", "dcomm-averaging")
 
 # (warmup steps, max timed samples, seconds a variant may spend on timed samples)
 ITERATIONS = {
-    ("large", False): (3, 20, 3.0),
+    ("large", False): (5, 50, 6.0),
     ("large", True): (2, 8, 1.5),
     ("large-slow", False): (2, 8, 3.0),
     ("large-slow", True): (1, 4, 1.5),

@@ -12,6 +12,10 @@ torch's own fp16/bf16 FSDP hooks call ``record_stream`` with a CPU stream and cr
 tensors (torch 2.13); on gloo the scenario makes that call a no-op for CPU tensors while torch's
 hooks run, and restores it afterwards.
 
+``fully_shard`` gets an explicit 1-D mesh of this backend's device (``device()``: CPU under
+gloo, the rank's GPU under NCCL); its default mesh is a CUDA one wherever CUDA is available,
+which under gloo on a GPU host would move the model away from the CPU data.
+
 Example::
 
     python3 -m pytest tests-integration -n 2 -q -k fsdp  # gloo; tests-integration/run.py for NCCL
@@ -27,6 +31,7 @@ import torch.distributed as dist
 from harness import device, scenario
 from torch import nn
 from torch.distributed.algorithms._comm_hooks import default_hooks as torch_hooks
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy, fully_shard
 
@@ -124,10 +129,16 @@ def scenario_fsdp_hooks(rank: int, world_size: int) -> None:
             _close(grads, fp32[1], TOL[dtype], f"{what} gradients vs fp32 reduction")
 
 
+def _mesh() -> DeviceMesh:
+    """A 1-D mesh of every rank on the backend's device (not fully_shard's CUDA-if-present default)."""
+    return init_device_mesh(device().type, (dist.get_world_size(),))
+
+
 def _train_fully_shard(dtype: torch.dtype | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     net = _net().to(device())
-    fully_shard(net[0])
-    fully_shard(net)
+    mesh = _mesh()
+    fully_shard(net[0], mesh=mesh)
+    fully_shard(net, mesh=mesh)
     if dtype is not None:
         use_low_precision_reduction(net, dtype)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)

@@ -5,6 +5,11 @@ the full gradients must equal the float64 mean of all ranks' gradients within th
 the dtype (fp16 1e-3, bf16 1e-2 relative), and the parameters after a few SGD steps must stay
 within that tolerance of a float32 reduction. World sizes 3 (post-divide 1.5, uneven shards)
 and 4 (also HSDP rejection) on gloo.
+
+Everything runs on the CPU, also on a host with GPUs: every ``fully_shard`` call gets an explicit
+CPU mesh (its default mesh is a CUDA one when CUDA is available, which would move the model off
+the CPU data), and the loss is computed in float32 (``mse_loss`` of a bf16 output and a float32
+target has no backward before torch 2.12: "Found dtype Float but expected BFloat16").
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from dcomm.core.testing import run_ranks
@@ -22,13 +28,25 @@ STEPS = 3
 TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 
+def cpu_mesh() -> DeviceMesh:
+    """A 1-D CPU mesh over every rank: what fully_shard defaults to only where CUDA is absent."""
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """MSE in float32 whatever the output dtype (mixed-dtype mse_loss backward needs torch >= 2.12)."""
+    return nn.functional.mse_loss(out.float(), y.float())
+
+
 def build(mp_policy: MixedPrecisionPolicy | None = None) -> tuple[nn.Module, nn.Module]:
-    """(a fully_shard model, an unsharded float64 copy with the same weights)."""
+    """(a fully_shard model on a CPU mesh, an unsharded float64 copy with the same weights)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 5))
     ref = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 5)).double()
     ref.load_state_dict(net.state_dict())
-    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    kwargs: dict = {"mesh": cpu_mesh()}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
     fully_shard(net[0], **kwargs)
     fully_shard(net, **kwargs)
     return net, ref
@@ -55,7 +73,7 @@ def train(net: nn.Module, rank: int) -> tuple[list[torch.Tensor], list[torch.Ten
     for step in range(STEPS):
         x, y = batch(rank, step)
         opt.zero_grad()
-        nn.functional.mse_loss(net(x), y).backward()
+        loss(net(x), y).backward()
         if step == 0:
             first = [p.grad.full_tensor() for p in net.parameters()]
         opt.step()
@@ -107,8 +125,6 @@ def _fully_shard(rank: int, world: int) -> None:
                 assert any(not torch.equal(a, b) for a, b in zip(grads, fp32_grads, strict=True)), what
 
     if world == 4:
-        from torch.distributed.device_mesh import init_device_mesh
-
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         hsdp = nn.Linear(4, 4)
         fully_shard(hsdp, mesh=mesh)

@@ -8,6 +8,12 @@ as FSDP's own reduction); fp16 1e-3 relative, bf16 1e-2 relative to torch's hook
 torch's own fp16/bf16 FSDP hooks crash on CPU tensors in torch 2.13 (``record_stream`` with a
 CPU stream: "unknown parameter type"); the rank function turns ``record_stream`` into a no-op
 for CPU tensors so that the reference can run. dcomm's hooks need no such help.
+
+Everything runs on the CPU, also on a host with GPUs: every FSDP unit gets
+``device_id=torch.device("cpu")``, as gloo needs. The loss is computed in float32: under
+``MixedPrecision(param_dtype=torch.bfloat16)`` the model output is bf16, and ``mse_loss`` of a
+bf16 output and a float32 target has no backward before torch 2.12 ("Found dtype Float but
+expected BFloat16", pytorch/pytorch#94086), whatever the hook.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ def train(model: FSDP, rank: int, steps: int = STEPS) -> tuple[list[torch.Tensor
     for step in range(steps):
         x, y = batch(rank, step)
         opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
+        nn.functional.mse_loss(model(x).float(), y).backward()
         if step == 0:
             first_grads = [p.grad.detach().clone() for p in model.parameters()]
         opt.step()

@@ -17,6 +17,7 @@ from harness import device, scenario
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
 from torch.distributed.algorithms.model_averaging import hierarchical_model_averager as torch_hier
+from torch.distributed.algorithms.model_averaging import utils as torch_utils
 from torch.distributed.optim import PostLocalSGDOptimizer as TorchPostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -153,6 +154,77 @@ def scenario_averaging_lean_mixed_dtypes(rank: int, world_size: int) -> None:
         expected = torch.stack([values[r][i].to(dtype).double() for r in range(world_size)]).mean(0)
         tol = tolerance[dtype]
         torch.testing.assert_close(p.detach().double().cpu(), expected, rtol=tol, atol=tol)
+
+
+@scenario(min_world_size=2)
+def scenario_averaging_in_place_coalesced(rank: int, world_size: int) -> None:
+    """NCCL: every parameter averaged in its own storage through coalesced groups, zero extra bytes.
+
+    150 fp32 parameters (three coalesced groups of at most 64), bf16 ones (pre/post division) and
+    a channels-last one, against the float64 mean and torch's ``average_parameters``. Under gloo
+    the same call takes the bucket path and must give the same answers.
+    """
+    from dcomm.averaging import parameters as impl
+
+    on_nccl = dist.get_backend() == "nccl"
+    assert impl._averages_in_place(device(), dist.group.WORLD) == on_nccl
+    shapes = [(4 + i % 7, 3 + i % 5) for i in range(150)] + [(33,)] * 3
+    dtypes = [torch.float32] * 150 + [torch.bfloat16] * 3
+    values = [
+        [
+            torch.randn(s, generator=torch.Generator().manual_seed(1000 * r + i), dtype=torch.float64)
+            for i, s in enumerate(shapes)
+        ]
+        for r in range(world_size)
+    ]
+    conv = [
+        torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(77 + r), dtype=torch.float64)
+        for r in range(world_size)
+    ]
+
+    def build() -> list[torch.nn.Parameter]:
+        params = [
+            torch.nn.Parameter(v.to(d).to(device(), copy=True)) for v, d in zip(values[rank], dtypes, strict=True)
+        ]
+        layout = conv[rank].float().to(device()).contiguous(memory_format=torch.channels_last)
+        return [*params, torch.nn.Parameter(layout)]
+
+    theirs = [p for p in build() if p.dtype == torch.float32]
+    torch_utils.average_parameters(iter(theirs), dist.group.WORLD)
+
+    params = build()
+    pointers = [(p.data_ptr(), p.stride()) for p in params]
+    rests: list[list[torch.Tensor]] = []
+    real = impl._average_in_place
+
+    def spy(*args: Any) -> list[torch.Tensor]:
+        rests.append(real(*args))
+        return rests[-1]
+
+    impl._average_in_place = spy  # type: ignore[assignment]
+    try:
+        if on_nccl:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        dcomm_averaging.average_parameters(params, None)
+        if on_nccl:
+            extra = torch.cuda.max_memory_allocated() - base
+            assert extra == 0, f"the in-place path allocated {extra} bytes of device memory"
+    finally:
+        impl._average_in_place = real  # type: ignore[assignment]
+    if on_nccl:
+        assert len(rests) == 2, rests  # fp32 and bf16
+        assert all(rest == [] for rest in rests), "fell back to the buckets on NCCL"
+    else:
+        assert rests == []
+    assert [(p.data_ptr(), p.stride()) for p in params] == pointers, "a parameter moved"
+    expected = [torch.stack([values[r][i] for r in range(world_size)]).mean(0) for i in range(len(shapes))]
+    expected.append(torch.stack(conv).mean(0))
+    for p, want in zip(params, expected, strict=True):
+        tol = 2e-2 if p.dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(p.detach().double().cpu(), want, rtol=tol, atol=tol)
+    _assert_same([p.detach() for p in params if p.dtype == torch.float32], [p.detach() for p in theirs], "vs torch")
 
 
 @scenario(min_world_size=2, world_size_multiple=2)

@@ -1,13 +1,25 @@
-"""In-place, bucketed parameter averaging: the collective behind every averager.
+"""In-place parameter averaging without a flat copy of the model: the collective behind every averager.
 
 :func:`average_parameters` replaces each given parameter by its mean over a process group without
-ever building a flat copy of the model. Parameters are grouped by ``(device, dtype)`` and streamed
-through a bounded staging area: pack a slice of parameters into a flat buffer, divide, allreduce
-(``SUM``), copy back into the parameters' own storage. When a group is larger than one bucket the
-staging area is split into two half-bucket buffers so that packing bucket ``i + 1`` overlaps the
-allreduce of bucket ``i``; either way the extra memory is at most ``bucket_cap_mb``. Parameters
-keep their storage (optimizers and views that hold them stay valid) and their dtype (a bf16
-parameter is averaged in bf16, never promoted).
+ever building a flat copy of the model. Parameters are grouped by ``(device, dtype)``; each group
+takes one of two paths:
+
+* **In place, zero extra memory** -- on a GPU whose backend coalesces collectives (NCCL): every
+  parameter is divided in place (``torch._foreach_div_``) and allreduced (``SUM``) in its own
+  storage, the allreduces of up to 64 parameters / 256 MiB issued as one coalesced NCCL group
+  through ``torch.distributed._coalescing_manager``, so NCCL fuses them. Nothing is packed, copied
+  or allocated.
+* **Buckets, at most ``bucket_cap_mb`` extra** -- everywhere else (gloo and CPU parameters, or a
+  torch whose private coalescing API is missing or refuses the group): parameters are streamed
+  through a bounded staging area: pack a slice into a flat buffer, divide, allreduce (``SUM``),
+  copy back into the parameters' own storage. When a group is larger than one bucket the staging
+  area is split into two half-bucket buffers so that packing bucket ``i + 1`` overlaps the
+  allreduce of bucket ``i``.
+
+Either way parameters keep their storage (optimizers and views that hold them stay valid) and
+their dtype (a bf16 parameter is averaged in bf16, never promoted), and the arithmetic is the
+same: fp32/fp64 divided by the group size before the sum, fp16/bf16 divided partly before and
+partly after it.
 
 Example::
 
@@ -17,11 +29,15 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from typing import NamedTuple
+import contextlib
+import inspect
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from dcomm.core import divide_factors, resolve_group
 
@@ -36,6 +52,15 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 """Default bound, in MiB, on the extra memory one :func:`average_parameters` call allocates."""
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+_COALESCE_MAX_TENSORS = 64
+"""At most this many parameters per coalesced NCCL group of the in-place path."""
+
+_COALESCE_MAX_BYTES = 256 * 2**20
+"""At most this many bytes per coalesced NCCL group (a larger parameter is a group of its own)."""
+
+_SETUP_ERRORS = (TypeError, AttributeError, RuntimeError, ValueError)
+"""What entering torch's private coalescing manager may raise when it does not fit this torch."""
 
 
 class _Segment(NamedTuple):
@@ -133,16 +158,127 @@ class _Staging:
         return [b.narrow(0, 0, capacity * itemsize).view(dtype) for b in self.buffers], capacity
 
 
+def _divisors(dtype: torch.dtype, world: int) -> tuple[float, float]:
+    """``(pre, post)``: divide by ``pre`` before the ``SUM`` and by ``post`` after it."""
+    if dtype in _LOW_PRECISION:
+        # Split the division around the sum so fp16/bf16 neither overflow nor underflow.
+        return divide_factors(world)
+    # One division before the sum: exact for power-of-two groups, torch's own arithmetic.
+    return float(world), 1.0
+
+
+def _coalescing_manager() -> Callable[..., Any] | None:
+    """torch's private ``dist._coalescing_manager`` if it takes ``group``, ``device``, ``async_ops``."""
+    manager = getattr(dist, "_coalescing_manager", None)
+    if manager is None:
+        return None
+    try:
+        names = inspect.signature(manager).parameters
+    except (TypeError, ValueError):
+        return None
+    return manager if {"group", "device", "async_ops"} <= names.keys() else None
+
+
+def _averages_in_place(device: torch.device, group: dist.ProcessGroup) -> bool:
+    """Whether parameters on ``device`` take the in-place path: a GPU backend that coalesces (NCCL).
+
+    gloo (CPU, or CUDA tensors on a gloo group) does not coalesce (its ``allreduce_coalesced``
+    would flatten into a copy anyway), so it keeps the buckets.
+    """
+    if device.type == "cpu" or _coalescing_manager() is None:
+        return False
+    try:
+        backend = group._get_backend(device)
+    except _SETUP_ERRORS:
+        return False
+    return bool(getattr(backend, "supports_coalescing", False))
+
+
+def _overlap(flats: list[torch.Tensor]) -> bool:
+    """Whether two of ``flats`` share bytes (distinct parameters aliasing one another).
+
+    In place, shared bytes would be divided twice; the bucket path copies each parameter out and
+    back, which stays right. Disjoint views of one buffer (a flattened model) do not overlap.
+    """
+    spans = sorted(
+        (f.untyped_storage().data_ptr(), f.data_ptr(), f.data_ptr() + f.numel() * f.element_size()) for f in flats
+    )
+    return any(a[0] == b[0] and b[1] < a[2] for a, b in itertools.pairwise(spans))
+
+
+def _coalesced_chunks(flats: list[torch.Tensor]) -> Iterator[tuple[int, list[torch.Tensor]]]:
+    """``(index of the first, chunk)``: runs of at most 64 flats and 256 MiB (at least one flat)."""
+    chunk: list[torch.Tensor] = []
+    start = size = 0
+    for index, flat in enumerate(flats):
+        nbytes = flat.numel() * flat.element_size()
+        if chunk and (len(chunk) == _COALESCE_MAX_TENSORS or size + nbytes > _COALESCE_MAX_BYTES):
+            yield start, chunk
+            chunk, start, size = [], index, 0
+        chunk.append(flat)
+        size += nbytes
+    if chunk:
+        yield start, chunk
+
+
+def _average_in_place(
+    flats: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    world: int,
+    manager_device: torch.device | None,
+) -> list[torch.Tensor]:
+    """Average same-device, same-dtype contiguous flat views over ``group`` in their own storage.
+
+    Each chunk is divided in place and its allreduces issued inside torch's coalescing manager
+    (``manager_device`` is passed to it: the GPU for NCCL's grouped launch, None for a backend
+    that only has ``allreduce_coalesced``). Chunks are launched back to back; then, chunk by
+    chunk, the current stream waits for the collective (never the host) and fp16/bf16 get their
+    post-division. No memory is allocated.
+
+    Returns the flats not averaged because the coalescing manager failed to start (nothing of
+    those was touched): the caller averages them through buckets.
+    """
+    manager = _coalescing_manager()
+    if manager is None:
+        return flats
+    pre, post = _divisors(flats[0].dtype, world)
+    pending = getattr(getattr(c10d, "_world", None), "pg_coalesce_state", None)
+    if not isinstance(pending, dict):
+        return flats
+    launched: list[tuple[Any, list[torch.Tensor]]] = []
+    rest: list[torch.Tensor] = []
+    for start, chunk in _coalesced_chunks(flats):
+        if group in pending:  # the caller is coalescing on this group already: do not nest
+            rest = flats[start:]
+            break
+        with contextlib.ExitStack() as stack:
+            try:
+                cm = stack.enter_context(manager(group=group, device=manager_device, async_ops=True))
+            except _SETUP_ERRORS:
+                # A failed start leaves torch's (empty) op list behind; later collectives on the
+                # group would only be recorded into it, so drop it.
+                if pending.get(group) == []:
+                    del pending[group]
+                rest = flats[start:]
+                break
+            # The collectives launch when the manager exits, after the division on this stream.
+            if pre != 1.0:
+                torch._foreach_div_(chunk, pre)
+            for flat in chunk:
+                dist.all_reduce(flat, group=group)
+        launched.append((cm, chunk))
+    for cm, chunk in launched:
+        cm.wait()  # on CUDA: the current stream waits for the collective, the host does not
+        if post != 1.0:
+            torch._foreach_div_(chunk, post)
+    return rest
+
+
 def _average_group(flats: list[torch.Tensor], group: dist.ProcessGroup, world: int, staging: _Staging) -> None:
     """Average same-device, same-dtype flat views over ``group`` through ``staging``."""
     dtype = flats[0].dtype
     buffers, capacity = staging.typed(dtype, flats[0].element_size())
-    if dtype in _LOW_PRECISION:
-        # Split the division around the sum so fp16/bf16 neither overflow nor underflow.
-        pre, post = divide_factors(world)
-    else:
-        # One division before the sum: exact for power-of-two groups, torch's own arithmetic.
-        pre, post = float(world), 1.0
+    pre, post = _divisors(dtype, world)
 
     in_flight: list[tuple[dist.Work, torch.Tensor, list[_Segment]]] = []
 
@@ -181,10 +317,16 @@ def average_parameters(
 
     ``process_group`` defaults to WORLD; on a rank outside it this changes nothing. Parameters may
     live on several devices and have several dtypes: each ``(device, dtype)`` group is averaged in
-    its own dtype through buckets of at most ``bucket_cap_mb`` MiB of extra memory per device (a
-    parameter larger than a bucket is split across buckets). fp32/fp64 are divided by the group
-    size before the ``SUM`` (as torch does); fp16/bf16 are divided partly before and partly after
-    it (:func:`dcomm.core.divide_factors`). No device synchronize: on CUDA the current stream waits
+    its own dtype. On a GPU whose backend coalesces collectives (NCCL) the parameters are divided
+    and allreduced in their own storage, up to 64 parameters / 256 MiB per coalesced NCCL group,
+    with no extra memory (``bucket_cap_mb`` is then unused). Elsewhere (gloo, CPU) they go
+    through buckets of at most ``bucket_cap_mb`` MiB of extra memory per device (a parameter
+    larger than a bucket is split across buckets); so do GPU parameters that alias one another,
+    or all of them if torch's private coalescing manager is missing or fails to start. A dense
+    non-contiguous layout (channels-last) is averaged through its memory-order flat view, which is
+    contiguous, on either path. fp32/fp64 are divided by the group size before the ``SUM`` (as
+    torch does); fp16/bf16 are divided partly before and partly after it
+    (:func:`dcomm.core.divide_factors`). No device synchronize: on CUDA the current stream waits
     for each allreduce, so later work on that stream sees the averaged values.
 
     Every rank of the group must pass the same parameters in the same order.
@@ -213,6 +355,10 @@ def average_parameters(
     with torch.no_grad():
         for device in devices:
             groups = [flats for (d, _), flats in by_kind.items() if d == device]
+            if _averages_in_place(device, group) and not _overlap([f for flats in groups for f in flats]):
+                groups = [rest for flats in groups if (rest := _average_in_place(flats, group, world, device))]
+            if not groups:
+                continue
             staging = _Staging(
                 device,
                 max(sum(f.numel() for f in flats) * flats[0].element_size() for flats in groups),

@@ -36,8 +36,12 @@ OPTIMS = {
 BUCKET_MB = 0.001  # 1 KB: the tiny model gets several buckets once DDP settles its layout
 
 
-def make_model() -> torch.nn.Module:
+def make_model(even: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
+    if even:
+        # 8 equal 1 KB weights: settled buckets of 4, whose pieces balance on 2 and 4 ranks, so
+        # shard_buckets=True takes the one-reduce-scatter / one-all-gather path per bucket.
+        return torch.nn.Sequential(*(torch.nn.Linear(8, 8, bias=False) for _ in range(8)))
     return torch.nn.Sequential(
         torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
     )
@@ -66,18 +70,24 @@ def assert_same_on_all_ranks(t: torch.Tensor) -> None:
 
 
 def overlapped(
-    builder: str, optim: str, static: bool, shard: bool, hook: object = allreduce_hook
+    builder: str,
+    optim: str,
+    static: bool,
+    shard: bool,
+    hook: object = allreduce_hook,
+    rs: bool = False,
+    even: bool = False,
 ) -> tuple[torch.nn.Module, DDP, ZeroRedundancyOptimizer]:
-    model = make_model()
+    model = make_model(even)
     ddp = DDP(model, bucket_cap_mb=BUCKET_MB, static_graph=static)
     cls, kwargs = OPTIMS[optim]
     zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=cls, overlap_with_ddp=True, **kwargs)
-    ddp.register_comm_hook(None, BUILDERS[builder](hook, ddp, zero, shard_buckets=shard))
+    ddp.register_comm_hook(None, BUILDERS[builder](hook, ddp, zero, shard_buckets=shard, reduce_scatter=rs))
     return model, ddp, zero
 
 
-def reference(optim: str, static: bool) -> tuple[torch.nn.Module, DDP, ZeroRedundancyOptimizer]:
-    model = make_model()
+def reference(optim: str, static: bool, even: bool = False) -> tuple[torch.nn.Module, DDP, ZeroRedundancyOptimizer]:
+    model = make_model(even)
     ddp = DDP(model, bucket_cap_mb=BUCKET_MB, static_graph=static)
     cls, kwargs = OPTIMS[optim]
     return model, ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=cls, **kwargs)
@@ -122,6 +132,43 @@ def _matrix(rank: int, world: int, steps: int = 4) -> list[str]:
         # The run went through DDP's bucket rebuild: one bucket first, several afterwards.
         assert counting.buckets[0] == 1, (case, counting.buckets)
         assert counting.buckets[-1] > 1, (case, counting.buckets)
+        seen.append(case)
+    return seen
+
+
+# -- reduce_scatter=True: 2 units of traffic, the same parameters ----------------------------------
+
+# A reduce-scatter sums in another order than an allreduce (on 4 gloo ranks), so the parameters
+# agree to float32 rounding, not bit for bit; after 4 Adam steps rtol 1e-5 / atol 1e-6 holds with
+# a wide margin (2 ranks: bit-identical in practice).
+RS_TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _rs_matrix(rank: int, world: int, steps: int = 4) -> list[str]:
+    seen = []
+    wrapped = itertools.cycle([allreduce_hook, torch_hooks.allreduce_hook])
+    statics = itertools.cycle([False, True, True, False])
+    for builder, optim, shard in itertools.product(BUILDERS, OPTIMS, (True, False)):
+        static = next(statics)
+        case = f"rs-{builder}-{optim}-static{static}-shard{shard}"
+        # shard_buckets=True on the even model: one reduce-scatter + one all-gather per bucket;
+        # otherwise a reduce to each owner + a broadcast from it.
+        model, ddp, zero = overlapped(builder, optim, static, shard, next(wrapped), rs=True, even=shard)
+        ref_model, ref_ddp, ref_zero = reference(optim, static, even=shard)
+        before = flat_params(model)
+        for step in range(steps):
+            x = batch(rank, step)
+            train_step(ddp, zero, x, overlap=True)
+            train_step(ref_ddp, ref_zero, x, overlap=False)
+            ours, theirs = flat_params(model), flat_params(ref_model)
+            assert not torch.equal(ours, before), f"{case}: step {step} did not update the parameters"
+            torch.testing.assert_close(ours, theirs, **RS_TOL, msg=lambda m, c=case, s=step: f"{c} step {s}: {m}")
+            assert_same_on_all_ranks(ours)
+            # The owner of each parameter holds its averaged gradient (the others need not).
+            for p, ref_p in zip(model.parameters(), ref_model.parameters(), strict=True):
+                if zero._param_to_rank[p] == rank:
+                    torch.testing.assert_close(p.grad, ref_p.grad, **RS_TOL, msg=f"{case} step {step}: owner's grad")
+            before = ours
         seen.append(case)
     return seen
 
@@ -232,6 +279,17 @@ def _bf16(rank: int, world: int) -> None:
             train_step(ref_ddp, ref_zero, batch(rank, step), overlap=False)
             # Same bf16 communication on both sides: the same fp32 result.
             torch.testing.assert_close(flat_params(model), flat_params(ref_model))
+    # reduce_scatter=True communicates the same bf16 values (divided, then summed, then cast back).
+    for builder, hook in zip(BUILDERS, (bf16_compress_hook, torch_hooks.fp16_compress_hook), strict=True):
+        model, ddp, zero = overlapped(builder, "adam", False, True, hook, rs=True)
+        ref_model = make_model()
+        ref_ddp = DDP(ref_model, bucket_cap_mb=BUCKET_MB)
+        ref_ddp.register_comm_hook(None, hook)
+        ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+        for step in range(3):
+            train_step(ddp, zero, batch(rank, step), overlap=True)
+            train_step(ref_ddp, ref_zero, batch(rank, step), overlap=False)
+            torch.testing.assert_close(flat_params(model), flat_params(ref_model), **RS_TOL)
 
 
 # -- errors ------------------------------------------------------------------------------------------
@@ -282,6 +340,12 @@ def _errors(rank: int, world: int) -> None:
         with pytest.raises(RuntimeError, match=r"zero: .*already drives an overlap hook"):
             build(allreduce_hook, ddp, zero)
 
+        # reduce_scatter=True replaces the hook's communication: only known averaging hooks.
+        for bad in (_CountingHook(allreduce_hook), _wrong_size_hook):
+            ddp, zero = fresh()
+            with pytest.raises(ValueError, match=r"reduce_scatter: True needs hook to be one of .*allreduce_hook"):
+                build(bad, ddp, zero, reduce_scatter=True)
+
         # Built after a backward pass has run.
         ddp, zero = fresh()
         ddp(batch(rank, 0)).sum().backward()
@@ -314,16 +378,18 @@ def _suite(rank: int, world: int, parts: list[str]) -> int:
         result = globals()[part](rank, world)
         if part == "_matrix":
             assert len(result) == 16
+        if part == "_rs_matrix":
+            assert len(result) == 8
     return len(parts)
 
 
 def test_world2_every_step_matches_non_overlapped_zero_first_step_bf16() -> None:
-    """The 16-case matrix at world 2, torch's lost first update, and the wrapped bf16 hook."""
-    assert run_ranks(_suite, 2, ["_matrix", "_first_step", "_bf16"]) == [3, 3]
+    """The 16-case matrix (and reduce_scatter's 8) at world 2, torch's lost first update, bf16."""
+    assert run_ranks(_suite, 2, ["_matrix", "_rs_matrix", "_first_step", "_bf16"]) == [4, 4]
 
 
 def test_world4_every_step_matches_non_overlapped_zero() -> None:
-    assert run_ranks(_suite, 4, ["_matrix"]) == [1] * 4
+    assert run_ranks(_suite, 4, ["_matrix", "_rs_matrix"]) == [2] * 4
 
 
 def test_checkpoints_resume_and_errors() -> None:

@@ -25,7 +25,20 @@ How this differs from torch's ``ddp_zero_hook``:
 splits every bucket into contiguous, nearly equal pieces, one per rank, which balances the
 per-bucket work of the interleaved hook. Ownership is computed from DDP's bucket size cap
 (``bucket_cap_mb``), since DDP only fixes its real layout after the first iteration; the result
-is the same either way, only the number of broadcasts per bucket changes.
+is the same either way. When a bucket's owned pieces are nearly equal (``(world - 1) * largest
+piece <= bucket``, the usual case with ``shard_buckets=True``) the pieces are padded to one size
+and a single ``all_gather_into_tensor`` returns the updated parameters; otherwise each owner
+broadcasts its piece (one broadcast per bucket with ``shard_buckets=False``).
+
+``reduce_scatter=True`` (opt-in, for dcomm's or torch's ``allreduce_hook`` /
+``fp16_compress_hook`` / ``bf16_compress_hook`` only) replaces the wrapped hook's allreduce:
+each bucket, divided by the world size in the hook's dtype, is reduce-scattered onto the owners
+of its equal pieces (or, for uneven pieces, reduced onto each owner), the owner steps, and the
+parameters come back as above: 2 units of traffic per step instead of 3. After backward a
+``param.grad`` then holds the averaged gradient **only on the rank that owns the parameter**;
+other ranks hold their local (or partially reduced) gradient. The parameters still equal those
+of non-overlapped ZeRO, up to summation order (float32: within rtol 1e-5 / atol 1e-6 after
+several Adam steps; bit-identical on 2 gloo ranks).
 
 Example::
 
@@ -52,6 +65,8 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from dcomm.core import reduce_scatter_future
+
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
@@ -66,21 +81,57 @@ _DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 @dataclass
 class _Owner:
-    """The parameters of one bucket that one rank updates, packed into one flat tensor."""
+    """The parameters of one bucket that one rank updates: one contiguous piece of ``plan.flat``."""
 
     rank: int
-    src: int  # global rank, for broadcast
-    flat: torch.Tensor
+    src: int  # global rank, for broadcast / reduce
+    start: int  # of the piece in the bucket's packed buffers (plan.flat, plan.send)
+    numel: int
     params: list[torch.Tensor]
     offsets: list[int]  # of each parameter in the bucket's flat gradient
+    runs: list[tuple[int, int, int]]  # (bucket offset, packed offset, length): contiguous copies
 
 
 @dataclass
 class _BucketPlan:
+    """How one DDP bucket is communicated and updated.
+
+    ``flat`` holds the bucket's ZeRO parameters (they are views into it), packed by owner. With
+    ``gather`` every owner's piece is padded to ``piece`` elements and laid out by rank
+    (``[rank0 | rank1 | ...]``), so one ``all_gather_into_tensor`` returns the updated
+    parameters; otherwise pieces are packed back to back and each owner broadcasts its own.
+    ``send`` / ``recv`` are the reduce-scatter (or per-owner reduce) buffers of ``reduce_scatter``.
+    """
+
     key: tuple[int, ...]
     numel: int
     owners: list[_Owner]
     mine: _Owner | None
+    flat: torch.Tensor | None
+    gather: bool
+    piece: int
+    send: torch.Tensor | None = None
+    recv: torch.Tensor | None = None
+
+
+def _runs(members: list[tuple[torch.Tensor, int]], start: int) -> list[tuple[int, int, int]]:
+    """Merge parameters adjacent both in the bucket and in the packed piece into single copies."""
+    runs: list[list[int]] = []
+    packed = start
+    for p, offset in members:
+        n = p.numel()
+        if runs and runs[-1][0] + runs[-1][2] == offset and runs[-1][1] + runs[-1][2] == packed:
+            runs[-1][2] += n
+        else:
+            runs.append([offset, packed, n])
+        packed += n
+    return [(b, k, n) for b, k, n in runs]
+
+
+def _all_gather(output: torch.Tensor, piece: torch.Tensor, group: dist.ProcessGroup) -> Any:
+    # torch >= 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
+    op = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return op(output, piece, group=group, async_op=True)
 
 
 @dataclass
@@ -93,10 +144,15 @@ class _Driver:
     rank: int
     interleaved: bool
     first_call_checks: Callable[[], None] | None
+    reduce_dtype: torch.dtype | bool | None = False  # False: allreduce via hook; else the rs dtype
     plans: dict[int, _BucketPlan] = field(default_factory=dict)
     pending: list[tuple[int, torch.futures.Future]] = field(default_factory=list)
     works: list[Any] = field(default_factory=list)
     stream: Any = None
+
+    @property
+    def reduce_scatter(self) -> bool:
+        return self.reduce_dtype is not False
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -115,40 +171,111 @@ class _Driver:
             if p in owner_of:
                 per_rank.setdefault(owner_of[p], []).append((p, offset))
             offset += p.numel()
+        world = self.group.size()
+        sizes = {rank: sum(p.numel() for p, _ in members) for rank, members in per_rank.items()}
+        total = sum(sizes.values())
+        piece = max(sizes.values(), default=0)
+        # One all-gather of world equal (padded) pieces moves about (world - 1) * piece elements
+        # per link; one broadcast per owner about `total`. Gather when that is no worse. Every
+        # rank sees the same layout, so every rank makes the same choice.
+        gather = len(per_rank) >= 2 and (world - 1) * piece <= total
         owners = []
+        flat = None
         with torch.no_grad():
+            if per_rank:
+                first = next(iter(per_rank.values()))[0][0]
+                flat = torch.zeros(world * piece if gather else total, dtype=first.dtype, device=first.device)
+            start = 0
             for rank in sorted(per_rank):
                 members = per_rank[rank]
-                flat = torch.empty(
-                    sum(p.numel() for p, _ in members), dtype=members[0][0].dtype, device=members[0][0].device
-                )
-                start = 0
+                if gather:
+                    start = rank * piece
+                packed = start
                 for p, _ in members:
-                    view = flat[start : start + p.numel()].view_as(p)
+                    view = flat[packed : packed + p.numel()].view_as(p)
                     view.copy_(p.detach())
                     p.data = view
-                    start += p.numel()
+                    packed += p.numel()
                 src = dist.get_global_rank(self.group, rank)
-                owners.append(_Owner(rank, src, flat, [p for p, _ in members], [o for _, o in members]))
+                owners.append(
+                    _Owner(
+                        rank,
+                        src,
+                        start,
+                        sizes[rank],
+                        [p for p, _ in members],
+                        [o for _, o in members],
+                        _runs(members, start),
+                    )
+                )
+                start += sizes[rank]
         mine = next((o for o in owners if o.rank == self.rank), None)
-        plan = _BucketPlan(key, offset, owners, mine)
+        plan = _BucketPlan(key, offset, owners, mine, flat, gather, piece)
+        if self.reduce_scatter and flat is not None:
+            buffer = bucket.buffer()
+            dtype = buffer.dtype if self.reduce_dtype is None else self.reduce_dtype
+            plan.send = torch.zeros(flat.numel(), dtype=dtype, device=buffer.device)
+            if gather:
+                plan.recv = torch.empty(piece, dtype=dtype, device=buffer.device)
         self.plans[index] = plan
         return plan
+
+    # -- reduce_scatter=True: average each piece onto its owner only ---------------------------
+
+    def reduce(self, plan: _BucketPlan, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Sum ``bucket / world`` onto the owners; the owner's averaged piece is written back."""
+        buffer = bucket.buffer()
+        send = plan.send
+        if send is None:  # no ZeRO parameter in this bucket: nothing to average
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done.set_result(buffer)
+            return done
+        world = self.group.size()
+        for owner in plan.owners:
+            for b, k, n in owner.runs:
+                # Copy, cast to the communication dtype and divide: one kernel per run.
+                torch.div(buffer[b : b + n], world, out=send[k : k + n])
+        mine = plan.mine
+        if plan.gather:
+            assert plan.recv is not None
+            fut = reduce_scatter_future(plan.recv, send, self.group)
+            averaged, base = plan.recv, self.rank * plan.piece
+        else:
+            works = [
+                dist.reduce(send[o.start : o.start + o.numel], dst=o.src, group=self.group, async_op=True)
+                for o in plan.owners
+            ]
+            if not buffer.is_cuda:
+                # gloo may run works on several threads: wait for all of them, in order.
+                for work in works[:-1]:
+                    work.wait()
+            # NCCL runs a group's works in order on one stream: the last one's future covers all.
+            fut = _work_future(works[-1])
+            averaged, base = send, 0
+
+        def write_back(f: torch.futures.Future) -> torch.Tensor:
+            f.wait()
+            if mine is not None:
+                for b, k, n in mine.runs:
+                    buffer[b : b + n].copy_(averaged[k - base : k - base + n])
+            return buffer
+
+        return fut.then(write_back)
 
     # -- per-bucket work ----------------------------------------------------------------------
 
     def update(self, index: int, fut: torch.futures.Future) -> None:
-        """Wait for bucket ``index``'s averaged gradient, step this rank's share, broadcast."""
+        """Wait for bucket ``index``'s averaged gradient, step this rank's share, send it out."""
         plan = self.plans[index]
         stream = self.stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
             with torch.cuda.stream(stream):
-                self._step_and_broadcast(plan, fut, stream)
+                self._step_and_send(plan, fut, stream)
         else:
-            self._step_and_broadcast(plan, fut, None)
+            self._step_and_send(plan, fut, None)
 
-    def _step_and_broadcast(self, plan: _BucketPlan, fut: torch.futures.Future, stream: Any) -> None:
+    def _step_and_send(self, plan: _BucketPlan, fut: torch.futures.Future, stream: Any) -> None:
         value = fut.wait()
         if isinstance(value, (list, tuple)):
             value = value[0] if len(value) == 1 else None
@@ -162,16 +289,25 @@ class _Driver:
         mine = plan.mine
         if mine is not None:
             grad = value.reshape(-1)
-            if grad.dtype != mine.flat.dtype:
+            if grad.dtype != plan.flat.dtype:
                 raise RuntimeError(
-                    f"hook: the wrapped hook returned a {grad.dtype} bucket for {mine.flat.dtype} "
+                    f"hook: the wrapped hook returned a {grad.dtype} bucket for {plan.flat.dtype} "
                     "parameters; wrap a hook that casts its result back to the bucket's dtype"
                 )
             if stream is not None:
                 grad.record_stream(stream)
             self._local_step(mine, grad)
-        for owner in plan.owners:
-            self.works.append(dist.broadcast(owner.flat, src=owner.src, group=self.group, async_op=True))
+        flat = plan.flat
+        if flat is None:
+            return
+        if plan.gather:
+            # One collective returns every owner's updated piece to every rank.
+            mine_piece = flat[self.rank * plan.piece : (self.rank + 1) * plan.piece]
+            self.works.append(_all_gather(flat, mine_piece, self.group))
+        else:
+            for owner in plan.owners:
+                piece = flat[owner.start : owner.start + owner.numel]
+                self.works.append(dist.broadcast(piece, src=owner.src, group=self.group, async_op=True))
 
     def _local_step(self, mine: _Owner, grad: torch.Tensor) -> None:
         zero = self.zero
@@ -192,7 +328,7 @@ class _Driver:
         zero._sync_param_groups(optim.param_groups, zero.param_groups)
 
     def finish(self) -> None:
-        """Make the next forward see every broadcast parameter (a stream wait on CUDA)."""
+        """Make the next forward see every updated parameter (a stream wait on CUDA)."""
         works, self.works = self.works, []
         for work in works:
             work.wait()
@@ -203,20 +339,26 @@ class _Driver:
         if self.first_call_checks is not None:
             checks, self.first_call_checks = self.first_call_checks, None
             checks()
+            if self.reduce_scatter and isinstance(state, dist.ProcessGroup) and not _same_ranks(state, self.group):
+                raise ValueError(
+                    "state: reduce_scatter=True communicates over the ZeroRedundancyOptimizer's "
+                    "process group, but the hook was registered with another group; register it "
+                    "with ddp.register_comm_hook(None, ...)"
+                )
         index = bucket.index()
         if index == 0 and (self.pending or self.works):
             # A previous backward was interrupted: drop what it left behind.
             self.pending.clear()
             self.finish()
-        self.plan(bucket)
-        fut = self.hook(state, bucket)
+        plan = self.plan(bucket)
+        fut = self.reduce(plan, bucket) if self.reduce_scatter else self.hook(state, bucket)
         if self.stream is None and fut is not None and bucket.buffer().is_cuda:
             self.stream = torch.cuda.Stream(device=bucket.buffer().device)
         self.pending.append((index, fut))
         last = bucket.is_last()
         if self.interleaved:
-            # Update the previous bucket now: its step and broadcast queue behind this bucket's
-            # allreduce, so the two pipeline instead of serializing.
+            # Update the previous bucket now: its step and parameter collective queue behind
+            # this bucket's gradient collective, so the two pipeline instead of serializing.
             while len(self.pending) > (0 if last else 1):
                 self.update(*self.pending.pop(0))
         elif last:
@@ -228,6 +370,17 @@ class _Driver:
                 del self.plans[index_seen]
             self.finish()
         return fut
+
+
+def _work_future(work: Any) -> torch.futures.Future:
+    """The work's future; gloo works without one are waited for and give a completed future."""
+    try:
+        return work.get_future()
+    except RuntimeError:
+        work.wait()
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(None)
+        return done
 
 
 # -- construction ------------------------------------------------------------------------------
@@ -318,6 +471,35 @@ def _check_hook(hook: object) -> None:
         pass
 
 
+def _averaging_dtype(hook: object) -> torch.dtype | None:
+    """The communication dtype of a plain averaging hook (None: the bucket's own dtype).
+
+    Recognised by identity: dcomm's and torch's ``allreduce_hook``, ``fp16_compress_hook`` and
+    ``bf16_compress_hook``; anything else raises, since ``reduce_scatter=True`` replaces the
+    hook's communication by its own and must know what that communication is.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
+
+    from dcomm.ddp import default_hooks as dcomm_hooks
+
+    known: list[tuple[object, torch.dtype | None]] = []
+    for module in (dcomm_hooks, torch_hooks):
+        known += [
+            (module.allreduce_hook, None),
+            (module.fp16_compress_hook, torch.float16),
+            (module.bf16_compress_hook, torch.bfloat16),
+        ]
+    for candidate, dtype in known:
+        if hook is candidate:
+            return dtype
+    name = getattr(hook, "__name__", type(hook).__name__)
+    raise ValueError(
+        f"reduce_scatter: True needs hook to be one of the plain averaging hooks (dcomm's or "
+        f"torch's allreduce_hook, fp16_compress_hook, bf16_compress_hook), got {name}; pass one "
+        "of those, or reduce_scatter=False to wrap any averaging hook"
+    )
+
+
 def _build(
     hook: Hook,
     ddp: DistributedDataParallel,
@@ -325,10 +507,14 @@ def _build(
     shard_buckets: bool,
     interleaved: bool,
     name: str,
+    reduce_scatter: bool = False,
 ) -> Hook:
     from torch.distributed.optim.zero_redundancy_optimizer import _OverlapStatus
 
     _check_hook(hook)
+    if not isinstance(reduce_scatter, bool):
+        raise ValueError(f"reduce_scatter: expected True or False, got {reduce_scatter!r}")
+    reduce_dtype: torch.dtype | bool | None = _averaging_dtype(hook) if reduce_scatter else False
     if not isinstance(ddp, DistributedDataParallel):
         raise ValueError(f"ddp: expected a DistributedDataParallel, got {type(ddp).__name__}")
     if not isinstance(zero, ZeroRedundancyOptimizer):
@@ -391,7 +577,7 @@ def _build(
                 "forward"
             )
 
-    driver = _Driver(hook, zero, group, zero.rank, interleaved, late_registration)
+    driver = _Driver(hook, zero, group, zero.rank, interleaved, late_registration, reduce_dtype)
 
     def hook_fn(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         return driver(state, bucket)
@@ -406,12 +592,13 @@ def hook_with_zero_step(
     ddp: DistributedDataParallel,
     zero: ZeroRedundancyOptimizer,
     shard_buckets: bool = False,
+    reduce_scatter: bool = False,
 ) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
     """Wrap ``hook`` so that ``zero`` steps once the last bucket's gradients are in flight.
 
     When DDP hands over its last bucket, every bucket is updated in order: this rank waits for
     the bucket's averaged gradient, steps the parameters it owns, and broadcasts them
-    asynchronously; the next bucket's step overlaps that broadcast. Parameters are updated at
+    asynchronously (or all-gathers it); the next bucket's step overlaps that collective. Parameters are updated at
     every step, the first included, and equal those of a non-overlapped ZeRO run.
 
     Args:
@@ -422,13 +609,19 @@ def hook_with_zero_step(
             ``overlap_with_ddp=True`` and a single parameter group.
         shard_buckets: split each bucket's parameters across all ranks (True) or give each
             bucket to one rank (False).
+        reduce_scatter: average each bucket onto its owners only (a reduce-scatter, or a
+            reduce per owner) instead of allreducing it: less traffic, but ``param.grad`` is
+            averaged only on the parameter's owner. ``hook`` must then be dcomm's or torch's
+            ``allreduce_hook``, ``fp16_compress_hook`` or ``bf16_compress_hook``, whose
+            arithmetic (divide by the world size, sum in the hook's dtype, cast back) is kept.
 
     Returns:
         The hook to pass to ``ddp.register_comm_hook(state, ...)``; ``state`` goes to ``hook``.
 
     Raises:
         ValueError: ``zero`` built without ``overlap_with_ddp=True``, with several parameter
-            groups, over parameters outside ``ddp``, or ``hook`` not a plain averaging hook.
+            groups, over parameters outside ``ddp``, ``hook`` not a plain averaging hook, or
+            ``reduce_scatter=True`` with a hook other than the six listed above.
         RuntimeError: training has already started, or ``zero`` already drives a hook.
 
     Example::
@@ -439,7 +632,7 @@ def hook_with_zero_step(
         >>> ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))  # doctest: +SKIP
         >>> ddp(inputs).sum().backward()  # doctest: +SKIP
     """
-    return _build(hook, ddp, zero, shard_buckets, interleaved=False, name="hook_with_zero_step")
+    return _build(hook, ddp, zero, shard_buckets, False, "hook_with_zero_step", reduce_scatter)
 
 
 def hook_with_zero_step_interleaved(
@@ -447,6 +640,7 @@ def hook_with_zero_step_interleaved(
     ddp: DistributedDataParallel,
     zero: ZeroRedundancyOptimizer,
     shard_buckets: bool = False,
+    reduce_scatter: bool = False,
 ) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
     """Wrap ``hook`` so that ``zero`` steps bucket by bucket while backward still runs.
 
@@ -461,4 +655,4 @@ def hook_with_zero_step_interleaved(
         >>> hook = hook_with_zero_step_interleaved(bf16_compress_hook, ddp, zero, shard_buckets=True)  # doctest: +SKIP
         >>> ddp.register_comm_hook(None, hook)  # doctest: +SKIP
     """
-    return _build(hook, ddp, zero, shard_buckets, interleaved=True, name="hook_with_zero_step_interleaved")
+    return _build(hook, ddp, zero, shard_buckets, True, "hook_with_zero_step_interleaved", reduce_scatter)

@@ -22,6 +22,8 @@ EXPECTED_BENCH_ROWS = {
     "post-local-sgd/hierarchical",
     "zero/step",
     "zero/interleaved",
+    "zero/step+rs",
+    "zero/interleaved+rs",
     "fsdp/reduce_scatter",
     "fsdp/fp16",
     "fsdp/bf16",

@@ -33,7 +33,9 @@ print("selective install: dcomm.ddp", dcomm.ddp.__version__, "imports; dcomm.fsd
 
 
 def run(*cmd: str, cwd: Path | None = None) -> None:
-    subprocess.run(cmd, cwd=cwd, check=True)
+    # Outside the calling hatch environment: its name means nothing to the package's own project.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HATCH_ENV")}
+    subprocess.run(cmd, cwd=cwd, check=True, env=env)
 
 
 def build(package: str, out: Path) -> list[Path]:

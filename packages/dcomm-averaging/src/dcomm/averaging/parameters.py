@@ -5,9 +5,10 @@ ever building a flat copy of the model. Parameters are grouped by ``(device, dty
 takes one of two paths:
 
 * **In place, zero extra memory** -- on a GPU whose backend coalesces collectives (NCCL): every
-  parameter is divided in place (``torch._foreach_div_``) and allreduced (``SUM``) in its own
-  storage, the allreduces of up to 64 parameters / 256 MiB issued as one coalesced NCCL group
-  through ``torch.distributed._coalescing_manager``, so NCCL fuses them. Nothing is packed, copied
+  parameter is allreduced in its own storage (fp32/fp64 with NCCL's ``AVG``; fp16/bf16 divided in
+  place with ``torch._foreach_div_`` around a ``SUM``), the allreduces of up to 64 parameters /
+  256 MiB issued as one coalesced NCCL group through ``torch.distributed._coalescing_manager``,
+  so NCCL fuses them. Nothing is packed, copied
   or allocated.
 * **Buckets, at most ``bucket_cap_mb`` extra** -- everywhere else (gloo and CPU parameters, or a
   torch whose private coalescing API is missing or refuses the group): parameters are streamed
@@ -18,8 +19,8 @@ takes one of two paths:
 
 Either way parameters keep their storage (optimizers and views that hold them stay valid) and
 their dtype (a bf16 parameter is averaged in bf16, never promoted), and the arithmetic is the
-same: fp32/fp64 divided by the group size before the sum, fp16/bf16 divided partly before and
-partly after it.
+same up to the last bit: fp32/fp64 divided by the group size before the sum (or NCCL's ``AVG``),
+fp16/bf16 divided partly before and partly after it.
 
 Example::
 
@@ -194,6 +195,18 @@ def _averages_in_place(device: torch.device, group: dist.ProcessGroup) -> bool:
     return bool(getattr(backend, "supports_coalescing", False))
 
 
+def _nccl_average(group: dist.ProcessGroup, flat: torch.Tensor) -> bool:
+    """Whether ``ReduceOp.AVG`` may average ``flat``: NCCL on a GPU, fp32/fp64 only.
+
+    Never on gloo (no AVG there), never for fp16/bf16 (their pre/post divide guards the range).
+    """
+    return (
+        flat.device.type == "cuda"
+        and flat.dtype in (torch.float32, torch.float64)
+        and "nccl" in str(dist.get_backend(group))
+    )
+
+
 def _overlap(flats: list[torch.Tensor]) -> bool:
     """Whether two of ``flats`` share bytes (distinct parameters aliasing one another).
 
@@ -242,6 +255,10 @@ def _average_in_place(
     if manager is None:
         return flats
     pre, post = _divisors(flats[0].dtype, world)
+    op = dist.ReduceOp.SUM
+    if _nccl_average(group, flats[0]):
+        # NCCL averages fp32/fp64 inside the collective: no separate division pass over the data.
+        op, pre = dist.ReduceOp.AVG, 1.0
     pending = getattr(getattr(c10d, "_world", None), "pg_coalesce_state", None)
     if not isinstance(pending, dict):
         return flats
@@ -265,7 +282,7 @@ def _average_in_place(
             if pre != 1.0:
                 torch._foreach_div_(chunk, pre)
             for flat in chunk:
-                dist.all_reduce(flat, group=group)
+                dist.all_reduce(flat, op=op, group=group)
         launched.append((cm, chunk))
     for cm, chunk in launched:
         cm.wait()  # on CUDA: the current stream waits for the collective, the host does not
@@ -325,9 +342,10 @@ def average_parameters(
     or all of them if torch's private coalescing manager is missing or fails to start. A dense
     non-contiguous layout (channels-last) is averaged through its memory-order flat view, which is
     contiguous, on either path. fp32/fp64 are divided by the group size before the ``SUM`` (as
-    torch does); fp16/bf16 are divided partly before and partly after it
-    (:func:`dcomm.core.divide_factors`). No device synchronize: on CUDA the current stream waits
-    for each allreduce, so later work on that stream sees the averaged values.
+    torch does; on NCCL in place, ``ReduceOp.AVG`` does it inside the collective); fp16/bf16
+    are divided partly before and partly after it (:func:`dcomm.core.divide_factors`). No device
+    synchronize: on CUDA the current stream waits for each allreduce, so later work on that
+    stream sees the averaged values.
 
     Every rank of the group must pass the same parameters in the same order.
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import importlib.metadata
 import json
 import os
@@ -184,8 +185,9 @@ def run_metadata(args: argparse.Namespace, backend: str, size: str, sizes: Sizes
     for name in DISTRIBUTIONS:
         try:
             versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
+        except importlib.metadata.PackageNotFoundError:  # run from source (PYTHONPATH), not installed
+            module = importlib.import_module("dcomm." + name.removeprefix("dcomm-"))
+            versions[name] = getattr(module, "__version__", None)
     cuda = backend == "nccl"
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

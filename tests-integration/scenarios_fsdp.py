@@ -4,9 +4,11 @@
 for each strategy (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD), once with dcomm's hook and once with
 torch's. The fp32 hooks must give bit-identical shards and gradients (same arithmetic); the fp16
 and bf16 hooks must agree within 1e-3 and 1e-2 relative. ``fsdp2_low_precision_reduction``:
-a nested ``fully_shard`` model with :func:`dcomm.fsdp.use_low_precision_reduction` against the
-same model reducing in float32 (gradients and parameters after a few steps) and against the
-float64 mean of every rank's gradient.
+a nested ``fully_shard`` model with :func:`dcomm.fsdp.use_low_precision_reduction` (its policy set
+afterwards, and given to ``fully_shard`` as ``low_precision_mp_policy``) against the same model
+reducing in float32 (gradients and parameters after a few steps) and against the float64 mean of
+every rank's gradient; the reduce-scatter must receive its input already in fp16/bf16 (the fast
+path: fp16 pre-divide folded into NCCL's pre-multiplied sum, bf16 divided once on the shard).
 
 torch's own fp16/bf16 FSDP hooks call ``record_stream`` with a CPU stream and crash on CPU
 tensors (torch 2.13); on gloo the scenario makes that call a no-op for CPU tensors while torch's
@@ -37,9 +39,11 @@ from torch.distributed.fsdp import ShardingStrategy, fully_shard
 
 from dcomm.core import DefaultState, LowPrecisionState
 from dcomm.fsdp import (
+    LowPrecisionReduceScatter,
     allreduce_hook,
     bf16_compress_hook,
     fp16_compress_hook,
+    low_precision_mp_policy,
     reduce_scatter_hook,
     register_comm_hook,
     use_low_precision_reduction,
@@ -134,23 +138,38 @@ def _mesh() -> DeviceMesh:
     return init_device_mesh(device().type, (dist.get_world_size(),))
 
 
-def _train_fully_shard(dtype: torch.dtype | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _train_fully_shard(
+    dtype: torch.dtype | None, policy_at_construction: bool = False
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.dtype]]:
+    """(first-step gradients, parameters after STEPS, dtype of every reduce-scatter input dcomm got)."""
     net = _net().to(device())
     mesh = _mesh()
-    fully_shard(net[0], mesh=mesh)
-    fully_shard(net, mesh=mesh)
+    kwargs = {"mp_policy": low_precision_mp_policy(dtype)} if dtype is not None and policy_at_construction else {}
+    fully_shard(net[0], mesh=mesh, **kwargs)
+    fully_shard(net, mesh=mesh, **kwargs)
     if dtype is not None:
         use_low_precision_reduction(net, dtype)
-    opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    grads: list[torch.Tensor] = []
-    for step in range(STEPS):
-        x, y = _batch(dist.get_rank(), step)
-        opt.zero_grad()
-        nn.functional.mse_loss(net(x), y).backward()
-        if step == 0:
-            grads = [p.grad.full_tensor() for p in net.parameters()]
-        opt.step()
-    return grads, [p.detach().full_tensor() for p in net.parameters()]
+    calls: list[torch.dtype] = []
+    real_call = LowPrecisionReduceScatter.__call__
+
+    def spy(self, *args, **kw):  # type: ignore[no-untyped-def]
+        calls.append(kw["input_tensor"].dtype if "input_tensor" in kw else args[1].dtype)
+        return real_call(self, *args, **kw)
+
+    LowPrecisionReduceScatter.__call__ = spy  # type: ignore[method-assign]
+    try:
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        grads: list[torch.Tensor] = []
+        for step in range(STEPS):
+            x, y = _batch(dist.get_rank(), step)
+            opt.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            if step == 0:
+                grads = [p.grad.full_tensor() for p in net.parameters()]
+            opt.step()
+    finally:
+        LowPrecisionReduceScatter.__call__ = real_call  # type: ignore[method-assign]
+    return grads, [p.detach().full_tensor() for p in net.parameters()], calls
 
 
 @scenario(min_world_size=2)
@@ -160,11 +179,14 @@ def scenario_fsdp2_low_precision_reduction(rank: int, world_size: int) -> None:
         x, y = _batch(r, 0)
         (nn.functional.mse_loss(ref(x.double()), y.double()) / world_size).backward()
     exact = [p.grad for p in ref.parameters()]
-    fp32_grads, fp32_params = _train_fully_shard(None)
+    fp32_grads, fp32_params, _ = _train_fully_shard(None)
     _close(fp32_grads, exact, 1e-5, "fp32 fully_shard vs float64 mean")
     for dtype, tol in TOL.items():
-        grads, params = _train_fully_shard(dtype)
-        _close(grads, exact, tol, f"{dtype} gradients vs float64 mean")
-        _close(grads, fp32_grads, tol, f"{dtype} gradients vs float32 reduction")
-        _close(params, fp32_params, tol, f"{dtype} parameters vs float32 reduction")
-        assert any(not torch.equal(a, b) for a, b in zip(grads, fp32_grads, strict=True)), dtype
+        for at_construction in (False, True):
+            what = f"{dtype} (policy {'given to fully_shard' if at_construction else 'set afterwards'})"
+            grads, params, calls = _train_fully_shard(dtype, at_construction)
+            assert calls == [dtype] * (2 * STEPS), (what, calls)
+            _close(grads, exact, tol, f"{what} gradients vs float64 mean")
+            _close(grads, fp32_grads, tol, f"{what} gradients vs float32 reduction")
+            _close(params, fp32_params, tol, f"{what} parameters vs float32 reduction")
+            assert any(not torch.equal(a, b) for a, b in zip(grads, fp32_grads, strict=True)), what

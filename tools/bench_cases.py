@@ -474,20 +474,23 @@ def build_fully_shard_step(bench: Bench, sizes: Sizes, reduction: tuple[str, str
     """FSDP2 (``fully_shard`` per Linear and at the root), reducing gradients in fp32 or in low precision.
 
     ``reduction = ("torch", "bf16")`` uses torch's ``MixedPrecisionPolicy(reduce_dtype=...)``;
-    ``("dcomm", "bf16")`` uses ``dcomm.fsdp.use_low_precision_reduction``.
+    ``("dcomm", "bf16")`` uses ``dcomm.fsdp.use_low_precision_reduction`` on modules built with
+    ``low_precision_mp_policy`` (FSDP2 casts in its copy-in, as in torch's row).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     impl, dtype = (reduction[0], LOW_PRECISION[reduction[1]]) if reduction else ("", None)
     policy = MixedPrecisionPolicy(reduce_dtype=dtype) if impl == "torch" else MixedPrecisionPolicy()
+    if impl == "dcomm":
+        from dcomm.fsdp import low_precision_mp_policy, use_low_precision_reduction
+
+        policy = low_precision_mp_policy(dtype)
     model = make_mlp(sizes, bench.device)
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     if impl == "dcomm":
-        from dcomm.fsdp import use_low_precision_reduction
-
         use_low_precision_reduction(model, dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     batch = make_batch(sizes, bench.device)

@@ -3,8 +3,12 @@
 Each rank trains the same nested ``fully_shard`` model on its own data. After the first backward
 the full gradients must equal the float64 mean of all ranks' gradients within the tolerance of
 the dtype (fp16 1e-3, bf16 1e-2 relative), and the parameters after a few SGD steps must stay
-within that tolerance of a float32 reduction. World sizes 3 (post-divide 1.5, uneven shards)
-and 4 (also HSDP rejection) on gloo.
+within that tolerance of a float32 reduction. The reduce-scatter must receive its input already
+in fp16/bf16 (FSDP2 casts in its copy-in) whether the policy comes from ``fully_shard``
+(``low_precision_mp_policy``), is set afterwards, or after the lazy init; its fast path must equal
+a literal pre-divide, SUM, post-divide bit for bit; the cast-it-yourself fallback must stay
+correct and warn. World sizes 3 (pre 2, post 1.5, uneven shards) and 4 (also HSDP rejection) on
+gloo.
 
 Everything runs on the CPU, also on a host with GPUs: every ``fully_shard`` call gets an explicit
 CPU mesh (its default mesh is a CUDA one when CUDA is available, which would move the model off
@@ -21,8 +25,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+import dcomm.fsdp.fully_shard as fully_shard_module
+from dcomm.core import divide_factors
 from dcomm.core.testing import run_ranks
-from dcomm.fsdp import LowPrecisionReduceScatter, use_low_precision_reduction
+from dcomm.fsdp import LowPrecisionReduceScatter, low_precision_mp_policy, use_low_precision_reduction
 
 STEPS = 3
 TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -90,7 +96,43 @@ def assert_close(ours: list[torch.Tensor], ref: list[torch.Tensor], tol: float, 
         )
 
 
+def train_spied(net: nn.Module, rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.dtype]]:
+    """:func:`train`, also returning the dtype of every input LowPrecisionReduceScatter received."""
+    calls: list[torch.dtype] = []
+    real_call = LowPrecisionReduceScatter.__call__
+
+    def spy(self, *args, _real=real_call, **kw):  # type: ignore[no-untyped-def]
+        calls.append(kw["input_tensor"].dtype if "input_tensor" in kw else args[1].dtype)
+        return _real(self, *args, **kw)
+
+    LowPrecisionReduceScatter.__call__ = spy  # type: ignore[method-assign]
+    try:
+        grads, params = train(net, rank)
+    finally:
+        LowPrecisionReduceScatter.__call__ = real_call  # type: ignore[method-assign]
+    return grads, params, calls
+
+
+def _fast_path_is_literal_pre_sum_post(rank: int, world: int) -> None:
+    """The fast path (dtype input) equals cast, divide by pre, SUM reduce-scatter, divide by post."""
+    pre, post = divide_factors(world)
+    gen = torch.Generator().manual_seed(rank)
+    for dtype in TOL:
+        # bf16: magnitudes from 1e-30 to 1e30 (float32's range); fp16: within its own range.
+        exponents = torch.randint(-30, 31, (world * 40,), generator=gen) if dtype == torch.bfloat16 else 0
+        data = torch.randn(world * 40, generator=gen) * (rank + 1) * 10.0**exponents
+        expected_input = data.to(dtype)
+        literal = expected_input.clone().div_(pre)
+        expected = torch.empty(40, dtype=dtype)
+        dist.reduce_scatter_tensor(expected, literal, group=dist.group.WORLD)
+        expected.div_(post)
+        out = torch.empty(40, dtype=dtype)
+        LowPrecisionReduceScatter(dtype)(out, expected_input.clone(), dist.group.WORLD)
+        assert torch.equal(out, expected), (dtype, (out - expected).abs().max())
+
+
 def _fully_shard(rank: int, world: int) -> None:
+    _fast_path_is_literal_pre_sum_post(rank, world)
     net, ref = build()
     exact = exact_mean_grads(ref, world)
     fp32_grads, fp32_params = train(net, rank)
@@ -103,26 +145,50 @@ def _fully_shard(rank: int, world: int) -> None:
             comm = use_low_precision_reduction(net, dtype)
             assert isinstance(comm, LowPrecisionReduceScatter)
             assert comm.dtype is dtype
-            calls: list[torch.dtype] = []
-            real_call = LowPrecisionReduceScatter.__call__
-
-            def spy(self, *args, _real=real_call, _calls=calls, **kw):  # type: ignore[no-untyped-def]
-                _calls.append(kw["input_tensor"].dtype if "input_tensor" in kw else args[1].dtype)
-                return _real(self, *args, **kw)
-
-            LowPrecisionReduceScatter.__call__ = spy  # type: ignore[method-assign]
-            try:
-                grads, params = train(net, rank)
-            finally:
-                LowPrecisionReduceScatter.__call__ = real_call  # type: ignore[method-assign]
-            # Both FSDP units reduced through dcomm, every step.
-            assert len(calls) == 2 * STEPS, (what, calls)
+            grads, params, calls = train_spied(net, rank)
+            # Both FSDP units reduced through dcomm, every step, on input FSDP2 had already cast.
+            assert calls == [dtype] * (2 * STEPS), (what, calls)
             grad_tol = tol if mp is None else 2e-2  # bf16 compute dominates the error
             assert_close(grads, exact, grad_tol, f"{what} gradients vs float64 mean")
             if mp is None:
                 assert_close(params, fp32_params, tol, f"{what} parameters vs float32 reduction")
                 # The reduction really ran in low precision.
                 assert any(not torch.equal(a, b) for a, b in zip(grads, fp32_grads, strict=True)), what
+
+        # The public-API way (policy given to fully_shard) does the same arithmetic.
+        net, _ = build(low_precision_mp_policy(dtype))
+        use_low_precision_reduction(net, dtype)
+        grads_ctor, params_ctor, calls = train_spied(net, rank)
+        assert calls == [dtype] * (2 * STEPS), (dtype, calls)
+        net, _ = build()
+        use_low_precision_reduction(net, dtype)
+        grads_set, params_set = train(net, rank)
+        for a, b in zip(grads_ctor + params_ctor, grads_set + params_set, strict=True):
+            assert torch.equal(a, b), f"{dtype}: low_precision_mp_policy differs from the policy set afterwards"
+
+        # Called after the lazy init (a forward already ran): the dtypes are recomputed.
+        net, _ = build()
+        net(batch(rank, 0)[0])
+        use_low_precision_reduction(net, dtype)
+        grads, _, calls = train_spied(net, rank)
+        assert calls == [dtype] * (2 * STEPS), (f"{dtype} after lazy init", calls)
+        assert_close(grads, exact, tol, f"{dtype} after lazy init: gradients vs float64 mean")
+
+        # Where the reduce dtype cannot be set, the reduce-scatter casts by itself: correct, warns once.
+        real_set = fully_shard_module._set_reduce_dtype
+        fully_shard_module._set_reduce_dtype = lambda module, dtype: False  # type: ignore[assignment]
+        try:
+            net, _ = build()
+            use_low_precision_reduction(net, dtype)
+        finally:
+            fully_shard_module._set_reduce_dtype = real_set  # type: ignore[assignment]
+        warning = r"got a torch.float32 reduce-scatter input.*low_precision_mp_policy"
+        with pytest.warns(UserWarning, match=warning) as rec:
+            grads, params, calls = train_spied(net, rank)
+        assert len([w for w in rec if "reduce-scatter input" in str(w.message)]) == 1
+        assert calls == [torch.float32] * (2 * STEPS), (f"{dtype} fallback", calls)
+        assert_close(grads, exact, tol, f"{dtype} fallback: gradients vs float64 mean")
+        assert_close(params, fp32_params, tol, f"{dtype} fallback: parameters vs float32 reduction")
 
     if world == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -149,6 +215,10 @@ def test_bad_dtype_and_old_torch(monkeypatch: pytest.MonkeyPatch) -> None:
         LowPrecisionReduceScatter(torch.float32)
     with pytest.raises(ValueError, match=r"dtype: expected torch.float16 or torch.bfloat16, got torch.float64"):
         use_low_precision_reduction(nn.Linear(2, 2), torch.float64)
+    with pytest.raises(ValueError, match=r"dtype: expected torch.float16 or torch.bfloat16, got torch.float32"):
+        low_precision_mp_policy(torch.float32)
+    policy = low_precision_mp_policy(torch.float16, param_dtype=torch.bfloat16)
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (torch.bfloat16, torch.float16, None)
     monkeypatch.delattr(FSDPModule, "set_custom_reduce_scatter")
     with pytest.raises(RuntimeError, match=r"needs FSDPModule.set_custom_reduce_scatter, .*torch >= 2.11"):
         use_low_precision_reduction(nn.Linear(2, 2))

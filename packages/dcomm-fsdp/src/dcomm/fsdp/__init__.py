@@ -13,7 +13,7 @@ Example::
 
 from dcomm.core import DefaultState, LowPrecisionState
 from dcomm.fsdp.__about__ import __version__
-from dcomm.fsdp.fully_shard import LowPrecisionReduceScatter, use_low_precision_reduction
+from dcomm.fsdp.fully_shard import LowPrecisionReduceScatter, low_precision_mp_policy, use_low_precision_reduction
 from dcomm.fsdp.hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook, reduce_scatter_hook
 from dcomm.fsdp.registration import register_comm_hook
 
@@ -27,5 +27,6 @@ __all__ = [
     "bf16_compress_hook",
     "register_comm_hook",
     "LowPrecisionReduceScatter",
+    "low_precision_mp_policy",
     "use_low_precision_reduction",
 ]

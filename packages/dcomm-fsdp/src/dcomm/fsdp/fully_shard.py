@@ -2,25 +2,29 @@
 
 FSDP2 has no ``register_comm_hook``. It does let a module replace its reduce-scatter
 (``FSDPModule.set_custom_reduce_scatter``) and turn off its own gradient division
-(``set_gradient_divide_factor(1.0)`` with ``set_force_sum_reduction_for_comms(True)``).
-:func:`use_low_precision_reduction` does both on every ``fully_shard`` module of a model: FSDP2
-still copies the gradients into its reduce-scatter input in its reduce dtype, and
-:class:`LowPrecisionReduceScatter` casts that input to fp16/bf16 divided by the pre-divide factor,
-sums it with a plain ``SUM`` reduce-scatter (no ``ReduceOp.AVG``, no ``PREMUL_SUM``: works on gloo
-and NCCL alike), and writes the shard back in the reduce dtype divided by the post-divide factor.
+(``set_gradient_divide_factor(1.0)`` with ``set_force_sum_reduction_for_comms(True)``), and it
+copies the gradients into its reduce-scatter input in the module's reduce dtype
+(``MixedPrecisionPolicy.reduce_dtype``), converting them on the way at no extra cost.
+:func:`use_low_precision_reduction` uses all three on every ``fully_shard`` module of a model: the
+reduce dtype becomes fp16/bf16, so :class:`LowPrecisionReduceScatter` receives its input already
+in low precision and only divides: by the pre-divide factor before a plain ``SUM``
+reduce-scatter (no ``ReduceOp.AVG``, no bf16 ``PREMUL_SUM``: works on gloo and NCCL alike) and by
+the post-divide factor on the shard, which FSDP2 then casts back to the parameter dtype.
 
 Example::
 
     >>> from torch.distributed.fsdp import fully_shard
-    >>> from dcomm.fsdp import use_low_precision_reduction
+    >>> from dcomm.fsdp import low_precision_mp_policy, use_low_precision_reduction
     >>> for block in model.blocks:  # doctest: +SKIP
-    ...     fully_shard(block)
-    >>> fully_shard(model)  # doctest: +SKIP
+    ...     fully_shard(block, mp_policy=low_precision_mp_policy(torch.bfloat16))
+    >>> fully_shard(model, mp_policy=low_precision_mp_policy(torch.bfloat16))  # doctest: +SKIP
     >>> use_low_precision_reduction(model, torch.bfloat16)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +34,7 @@ from torch import nn
 
 from dcomm.core import LOW_PRECISION_DTYPES, cast_for_communication, copy_back, divide_factors, keep_until_stream_done
 
-__all__ = ["LowPrecisionReduceScatter", "use_low_precision_reduction"]
+__all__ = ["LowPrecisionReduceScatter", "low_precision_mp_policy", "use_low_precision_reduction"]
 
 # The FSDPModule methods this needs; all exist in every torch that dcomm-fsdp supports (>= 2.11).
 _REQUIRED_METHODS = ("set_custom_reduce_scatter", "set_gradient_divide_factor", "set_force_sum_reduction_for_comms")
@@ -52,31 +56,64 @@ class _CompletedWork:
         return fut
 
 
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in LOW_PRECISION_DTYPES:
+        raise ValueError(
+            f"dtype: expected torch.float16 or torch.bfloat16, got {dtype!r}; "
+            "pass the dtype to communicate gradients in"
+        )
+
+
+def _nccl_premul_sum(group: dist.ProcessGroup, tensor: torch.Tensor, factor: float) -> Any:
+    """NCCL's pre-multiplied SUM by ``factor`` for ``tensor`` on ``group``, or None where unavailable."""
+    make = getattr(dist, "_make_nccl_premul_sum", None)
+    if make is None or tensor.device.type != "cuda":
+        return None
+    try:
+        backend = dist.get_backend(group)
+    except (RuntimeError, ValueError):  # pragma: no cover - a group this process is not in
+        return None
+    return make(factor) if backend == "nccl" else None
+
+
 class LowPrecisionReduceScatter:
     """A custom FSDP2 reduce-scatter that communicates in ``dtype`` and averages with pre/post divide.
 
     FSDP2 calls it as ``comm(output_tensor, input_tensor, group, op)`` on its reduce-scatter
-    stream; ``op`` must be ``SUM`` (set up by :func:`use_low_precision_reduction`). The input is
-    cast to ``dtype`` divided by the pre-divide factor of ``group``'s size, reduce-scattered, and
-    the shard is written into ``output_tensor`` (in its own dtype) divided by the post-divide
-    factor. The low-precision buffers are allocated on, and tied to, the stream that runs the
-    collective, and the collective is synchronous with respect to that stream, so their memory is
-    never reused while the reduce-scatter is in flight.
+    stream; ``op`` must be ``SUM`` (set up by :func:`use_low_precision_reduction`).
+
+    Fast path, taken when FSDP2's reduce dtype is ``dtype`` (what :func:`use_low_precision_reduction`
+    arranges): the input and output buffers already are ``dtype``, so nothing is cast or
+    allocated. The input is divided in place by the pre-divide factor of ``group``'s size, summed
+    into ``output_tensor`` with a ``SUM`` reduce-scatter, and the shard divided in place by the
+    post-divide factor; FSDP2 casts it back to the parameter dtype. Two cases need no separate pass
+    over the input:
+
+    - fp16 on NCCL: the pre-divide is NCCL's pre-multiplied sum by ``1 / pre`` (a power of two, so
+      the product is exact and equal to the division).
+    - bf16: bf16 has float32's exponent range, so dividing by ``pre`` (a power of two) is exact,
+      the sum of the divided inputs is the divided sum, and ``(sum / pre) / post`` rounds exactly
+      like ``sum / world``: the shard is divided once by the group size, giving bit for bit the
+      result of the separate pre/post divide (gradients below 2**-126 * pre, which a pre-divide
+      would flush, are kept). No ``PREMUL_SUM`` and no ``AVG`` for bf16.
+
+    Fallback, for input in another dtype (a reduce dtype that could not be changed): the input is
+    cast to ``dtype`` divided by the pre-divide factor into a new buffer, and the shard written
+    back in the output's dtype divided by the post-divide factor. Those buffers are allocated on,
+    and tied to, the stream that runs the collective, which is synchronous with respect to that
+    stream, so their memory is never reused while the reduce-scatter is in flight.
 
     Example::
 
         >>> fsdp_module.set_custom_reduce_scatter(LowPrecisionReduceScatter(torch.float16))  # doctest: +SKIP
     """
 
-    __slots__ = ("dtype",)
+    __slots__ = ("_warned", "dtype")
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
-        if dtype not in LOW_PRECISION_DTYPES:
-            raise ValueError(
-                f"dtype: expected torch.float16 or torch.bfloat16, got {dtype!r}; "
-                "pass the dtype to communicate gradients in"
-            )
+        _check_dtype(dtype)
         self.dtype = dtype
+        self._warned = False
 
     def __repr__(self) -> str:
         return f"LowPrecisionReduceScatter(dtype={self.dtype})"
@@ -101,6 +138,8 @@ class LowPrecisionReduceScatter:
     ) -> _CompletedWork | None:
         """Reduce-scatter the average of ``input_tensor`` over ``group`` into ``output_tensor``.
 
+        ``input_tensor`` is FSDP2's scratch buffer: on the fast path it is divided in place.
+
         Example::
 
             >>> LowPrecisionReduceScatter(torch.float16)(shard, flat_grad, dist.group.WORLD)  # doctest: +SKIP
@@ -117,15 +156,67 @@ class LowPrecisionReduceScatter:
                 f"input_tensor: expected {output_tensor.numel() * world} elements (output numel "
                 f"{output_tensor.numel()} x group size {world}), got {input_tensor.numel()}"
             )
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         pre, post = divide_factors(world)
+        if input_tensor.dtype == self.dtype and output_tensor.dtype == self.dtype:
+            reduce_op: Any = dist.ReduceOp.SUM
+            if self.dtype == torch.bfloat16:
+                pre, post = 1.0, float(world)  # exact: see the class docstring
+            elif pre > 1 and (premul := _nccl_premul_sum(group, input_tensor, 1.0 / pre)) is not None:
+                reduce_op, pre = premul, 1.0
+            if pre > 1:
+                input_tensor.div_(pre)
+            reduce_scatter(output_tensor, input_tensor, op=reduce_op, group=group)
+            if post > 1:
+                output_tensor.div_(post)
+            return _CompletedWork() if async_op else None
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"LowPrecisionReduceScatter({self.dtype}): got a {input_tensor.dtype} reduce-scatter input, "
+                f"so it casts to {self.dtype} itself (correct, one extra pass over the gradients); pass "
+                f"mp_policy=dcomm.fsdp.low_precision_mp_policy({self.dtype}) to fully_shard so that FSDP "
+                "converts the gradients in its copy-in",
+                UserWarning,
+                stacklevel=2,
+            )
         low_input = cast_for_communication(input_tensor, self.dtype, pre)
         low_output = torch.empty_like(output_tensor, dtype=self.dtype)
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         reduce_scatter(low_output, low_input, group=group)
         copy_back(output_tensor, low_output, post)
         keep_until_stream_done(low_input)
         keep_until_stream_done(low_output)
         return _CompletedWork() if async_op else None
+
+
+def low_precision_mp_policy(
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    param_dtype: torch.dtype | None = None,
+    output_dtype: torch.dtype | None = None,
+    cast_forward_inputs: bool = True,
+) -> Any:
+    """The ``MixedPrecisionPolicy`` to pass to ``fully_shard`` for :func:`use_low_precision_reduction`.
+
+    Its ``reduce_dtype`` is ``dtype``, so FSDP2 converts the gradients to fp16/bf16 while it
+    copies them into the reduce-scatter input; the other fields are passed through.
+    :func:`use_low_precision_reduction` sets the same reduce dtype on modules built without it
+    (through FSDP2 internals); passing this policy needs only public API.
+
+    Example::
+
+        >>> low_precision_mp_policy(torch.float16).reduce_dtype
+        torch.float16
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    _check_dtype(dtype)
+    return MixedPrecisionPolicy(
+        param_dtype=param_dtype,
+        reduce_dtype=dtype,
+        output_dtype=output_dtype,
+        cast_forward_inputs=cast_forward_inputs,
+    )
 
 
 def _fsdp_module_class() -> type:
@@ -157,21 +248,67 @@ def _check_not_hsdp(module: nn.Module) -> None:
             )
 
 
+def _reduces_in(policy: Any, dtype: torch.dtype) -> bool:
+    """Whether FSDP2's reduce dtype under ``policy`` is ``dtype`` whatever the parameter dtype."""
+    return policy.reduce_dtype == dtype or (policy.reduce_dtype is None and policy.param_dtype == dtype)
+
+
+def _set_reduce_dtype(module: nn.Module, dtype: torch.dtype) -> bool:
+    """Make ``module``'s FSDP2 parameter groups reduce in ``dtype``; False where torch's internals differ.
+
+    FSDP2 has no public setter for the mixed-precision policy after ``fully_shard``. Its releases
+    (2.4 to 2.13 at least) keep it as ``FSDPParamGroup.mp_policy`` (a frozen dataclass), read it in
+    ``FSDPParamGroup._init_mp_dtypes`` (run by the lazy init at the first forward) and keep the
+    parameter groups under ``FSDPState._fsdp_param_group`` (one) or ``_fsdp_param_groups`` (a list,
+    newer releases). Where this returns False the reduce-scatter casts by itself and warns.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    try:
+        state = module._get_fsdp_state()  # type: ignore[operator]
+    except (AttributeError, AssertionError):
+        return False
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    for group in groups:
+        policy = getattr(group, "mp_policy", None)
+        if not isinstance(policy, MixedPrecisionPolicy) or not callable(getattr(group, "_init_mp_dtypes", None)):
+            return False
+        if _reduces_in(policy, dtype):
+            continue
+        group.mp_policy = dataclasses.replace(policy, reduce_dtype=dtype)
+        if "_reduce_dtype" in vars(group):  # lazily initialised already: recompute the dtypes now
+            group._init_mp_dtypes()
+    return True
+
+
 def use_low_precision_reduction(module: nn.Module, dtype: torch.dtype = torch.bfloat16) -> LowPrecisionReduceScatter:
     """Make every ``fully_shard`` module in ``module`` reduce gradients in ``dtype`` (fp16 or bf16).
 
     Call it after ``fully_shard`` and before the first backward. Each FSDP2 module under (and
     including) ``module`` gets a :class:`LowPrecisionReduceScatter`, a gradient divide factor of 1
-    and SUM-only reductions, so the averaging is done once, by dcomm's pre/post divide. The sharded
-    gradients keep FSDP2's usual dtype (the parameter dtype, or ``MixedPrecisionPolicy.reduce_dtype``
-    cast back to it). Returns the installed reduce-scatter.
+    and SUM-only reductions, so the averaging is done once, by dcomm's pre/post divide; and a
+    mixed-precision policy whose ``reduce_dtype`` is ``dtype`` (the other fields unchanged), so
+    FSDP2 converts the gradients while copying them into the reduce-scatter input and back to the
+    parameter dtype after it. Build the modules with ``mp_policy=low_precision_mp_policy(dtype)``
+    to set that with public API only; otherwise it is set here through FSDP2's parameter groups.
+    Where that is impossible (a torch whose internals differ) the reduce-scatter receives
+    higher-precision input, casts it by itself (correct, one extra pass over the gradients) and
+    warns once.
+
+    As with torch's ``reduce_dtype``: the sharded gradients keep the parameter dtype, gradients
+    accumulated without reduction (``set_requires_gradient_sync(False)``) are kept in ``dtype``,
+    and an fp16 gradient element beyond fp16's range (65504) overflows in the copy-in (the
+    pre-divide still keeps the sum of the ranks in range). Returns the installed reduce-scatter.
 
     Raises ``ValueError`` for a dtype other than fp16/bf16, a module without ``fully_shard``, or
     HSDP (a 2-D mesh with replication); ``RuntimeError`` on a torch without the FSDP2 methods.
 
     Example::
 
-        >>> fully_shard(model)  # doctest: +SKIP
+        >>> fully_shard(model, mp_policy=low_precision_mp_policy(torch.float16))  # doctest: +SKIP
         >>> use_low_precision_reduction(model, torch.float16)  # doctest: +SKIP
         LowPrecisionReduceScatter(dtype=torch.float16)
     """
@@ -189,4 +326,5 @@ def use_low_precision_reduction(module: nn.Module, dtype: torch.dtype = torch.bf
         target.set_custom_reduce_scatter(comm)
         target.set_gradient_divide_factor(1.0)
         target.set_force_sum_reduction_for_comms(True)
+        _set_reduce_dtype(target, dtype)
     return comm

@@ -5,9 +5,9 @@ around ``bf16_compress_hook``, and DDP with the same ``bf16_compress_hook`` foll
 non-overlapped ``ZeroRedundancyOptimizer``. Both communicate the same bf16 sums and apply the
 same fp32 Adam arithmetic, so after every step (the first included) the parameters agree to
 float32 tolerance, and every rank holds the same parameters. ``reduce_scatter=True`` cases wrap
-the fp32 ``allreduce_hook`` (reference: DDP with it): the gradients are reduce-scattered (or
-reduced to their owner) instead of allreduced, so only the summation order differs (rtol 1e-5,
-atol 1e-6).
+the fp32 ``allreduce_hook`` (reference: DDP with it): every bucket is sharded element-wise
+(equal slices across parameter boundaries) and its gradient reduce-scattered onto the slices
+instead of allreduced, so only the summation order differs (rtol 1e-5, atol 1e-6).
 
 Example::
 

@@ -336,6 +336,7 @@ def case_post_local_sgd(bench: Bench, sizes: Sizes) -> list[Row]:
 
 
 ZERO_HOOKS = {"step": "hook_with_zero_step", "interleaved": "hook_with_zero_step_interleaved"}
+_ZERO_DRIVERS: list[Any] = []  # the last reduce_scatter=True hook's driver (see build_zero_step)
 
 
 def zero_overlap_hook(impl: str, name: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -353,7 +354,9 @@ def zero_overlap_hook(impl: str, name: str) -> tuple[Callable[..., Any], Callabl
 def build_zero_step(bench: Bench, sizes: Sizes, overlap: tuple[str, str] | None, reduce_scatter: bool = False) -> Step:
     """DDP + ZeroRedundancyOptimizer(Adam); ``overlap = (impl, hook name)`` steps inside backward.
 
-    ``reduce_scatter`` (dcomm only): ``reduce_scatter=True, shard_buckets=True``.
+    ``reduce_scatter`` (dcomm only): ``reduce_scatter=True`` (element-wise sharding: equal slices
+    of every bucket, one reduce-scatter + one all-gather per bucket); the hook's driver is kept in
+    ``_ZERO_DRIVERS`` so the row can report how many buckets took that path.
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -365,6 +368,8 @@ def build_zero_step(bench: Bench, sizes: Sizes, overlap: tuple[str, str] | None,
         wrapper, allreduce_hook = zero_overlap_hook(*overlap)
         extra = {"reduce_scatter": True, "shard_buckets": True} if reduce_scatter else {}
         ddp.register_comm_hook(None, wrapper(allreduce_hook, ddp, zero, **extra))
+        if reduce_scatter:
+            _ZERO_DRIVERS[:] = [getattr(zero, "_dcomm_zero_overlap_driver", None)]
     batch = make_batch(sizes, bench.device)
 
     def step() -> None:
@@ -394,6 +399,12 @@ def case_zero(bench: Bench, sizes: Sizes) -> list[Row]:
         )
         details = _ratios({"dcomm": dcomm_step, "torch": torch_step}, plain, "plain")
         details["grad MiB"] = round(sizes.mlp_params * 4 / 2**20, 1)
+        driver = _ZERO_DRIVERS[0] if _ZERO_DRIVERS else None
+        if driver is not None:
+            # Buckets reduce-scattered element-wise in the last step / all buckets (the rest fell
+            # back to an allreduce because DDP's layout differed from the planned one).
+            fast, slow = driver.fast_buckets, driver.fallback_buckets
+            details["rs buckets"] = f"{fast}/{fast + slow}"
         rows.append(Row(f"zero/{name}+rs", dcomm_step, torch_step, {"zero, no overlap": plain}, details))
     return rows
 

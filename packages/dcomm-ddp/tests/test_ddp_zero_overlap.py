@@ -9,6 +9,7 @@ practice they are bit-identical.
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -136,7 +137,7 @@ def _matrix(rank: int, world: int, steps: int = 4) -> list[str]:
     return seen
 
 
-# -- reduce_scatter=True: 2 units of traffic, the same parameters ----------------------------------
+# -- reduce_scatter=True: element-wise sharding, 2 units of traffic, the same parameters -------------
 
 # A reduce-scatter sums in another order than an allreduce (on 4 gloo ranks), so the parameters
 # agree to float32 rounding, not bit for bit; after 4 Adam steps rtol 1e-5 / atol 1e-6 holds with
@@ -144,17 +145,37 @@ def _matrix(rank: int, world: int, steps: int = 4) -> list[str]:
 RS_TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
+def _driver(zero: ZeroRedundancyOptimizer) -> object:
+    return zero._dcomm_zero_overlap_driver
+
+
+def _check_owned_grads(case: str, zero: ZeroRedundancyOptimizer, ref_model: torch.nn.Module, rank: int) -> None:
+    """This rank's slice of every bucket holds the averaged gradient (the rest need not)."""
+    ref_grad = {id(p): p.grad for p in ref_model.parameters()}
+    model_params = list(zero._all_params)
+    ref_params = list(ref_model.parameters())
+    to_ref = {id(p): ref_grad[id(r)] for p, r in zip(model_params, ref_params, strict=True)}
+    for shard in _driver(zero).layout:
+        ours = torch.cat([p.grad.reshape(-1) for p in shard.params])
+        theirs = torch.cat([to_ref[id(p)].reshape(-1) for p in shard.params])
+        lo, hi = rank * shard.chunk, min(shard.numel, (rank + 1) * shard.chunk)
+        torch.testing.assert_close(ours[lo:hi], theirs[lo:hi], **RS_TOL, msg=lambda m: f"{case}: owned grad: {m}")
+
+
 def _rs_matrix(rank: int, world: int, steps: int = 4) -> list[str]:
     seen = []
     wrapped = itertools.cycle([allreduce_hook, torch_hooks.allreduce_hook])
     statics = itertools.cycle([False, True, True, False])
-    for builder, optim, shard in itertools.product(BUILDERS, OPTIMS, (True, False)):
+    for builder, optim, even in itertools.product(BUILDERS, OPTIMS, (True, False)):
         static = next(statics)
-        case = f"rs-{builder}-{optim}-static{static}-shard{shard}"
-        # shard_buckets=True on the even model: one reduce-scatter + one all-gather per bucket;
-        # otherwise a reduce to each owner + a broadcast from it.
-        model, ddp, zero = overlapped(builder, optim, static, shard, next(wrapped), rs=True, even=shard)
-        ref_model, ref_ddp, ref_zero = reference(optim, static, even=shard)
+        case = f"rs-{builder}-{optim}-static{static}-even{even}"
+        # Element-wise sharding: every bucket is cut into `world` equal slices, across parameter
+        # boundaries (the uneven model's weights do not divide evenly), whatever shard_buckets says.
+        model, ddp, zero = overlapped(builder, optim, static, even, next(wrapped), rs=True, even=even)
+        ref_model, ref_ddp, ref_zero = reference(optim, static, even=even)
+        driver = _driver(zero)
+        assert len(zero.optim.param_groups[0]["params"]) == len(driver.layout)
+        assert {s.numel() for s in zero.optim.param_groups[0]["params"]} <= {sh.chunk for sh in driver.layout}
         before = flat_params(model)
         for step in range(steps):
             x = batch(rank, step)
@@ -164,10 +185,16 @@ def _rs_matrix(rank: int, world: int, steps: int = 4) -> list[str]:
             assert not torch.equal(ours, before), f"{case}: step {step} did not update the parameters"
             torch.testing.assert_close(ours, theirs, **RS_TOL, msg=lambda m, c=case, s=step: f"{c} step {s}: {m}")
             assert_same_on_all_ranks(ours)
-            # The owner of each parameter holds its averaged gradient (the others need not).
-            for p, ref_p in zip(model.parameters(), ref_model.parameters(), strict=True):
-                if zero._param_to_rank[p] == rank:
-                    torch.testing.assert_close(p.grad, ref_p.grad, **RS_TOL, msg=f"{case} step {step}: owner's grad")
+            _check_owned_grads(f"{case} step {step}", zero, ref_model, rank)
+            counts = (driver.fast_buckets, driver.fallback_buckets)
+            if step < (2 if static else 1):
+                # DDP's single first bucket (static_graph: first two iterations): averaged by the
+                # wrapped hook's allreduce, then each rank copies out its slices.
+                assert counts == (0, 1), (case, step, counts)
+            else:
+                # DDP's settled buckets are the planned ones: one reduce-scatter each.
+                assert counts == (len(driver.layout), 0), (case, step, counts)
+                assert len(driver.layout) > 1, case
             before = ours
         seen.append(case)
     return seen
@@ -216,9 +243,9 @@ def _consolidated(zero: ZeroRedundancyOptimizer) -> dict:
 
 
 def _resume(rank: int, world: int, steps: int = 4) -> None:
-    for builder, optim in itertools.product(BUILDERS, OPTIMS):
-        case = f"{builder}-{optim}"
-        model, ddp, zero = overlapped(builder, optim, False, True)
+    for builder, optim, rs in itertools.product(BUILDERS, OPTIMS, (False, True)):
+        case = f"{builder}-{optim}-rs{rs}"
+        model, ddp, zero = overlapped(builder, optim, False, True, rs=rs)
         trajectory = []
         for step in range(steps):
             train_step(ddp, zero, batch(rank, step), overlap=True)
@@ -227,14 +254,14 @@ def _resume(rank: int, world: int, steps: int = 4) -> None:
         for stop in (0, 2):
             # Interrupted run: checkpoint after `stop` steps (0: before the first update, where
             # torch raises), restore into fresh objects, continue.
-            model, ddp, zero = overlapped(builder, optim, False, True)
+            model, ddp, zero = overlapped(builder, optim, False, True, rs=rs)
             for step in range(stop):
                 train_step(ddp, zero, batch(rank, step), overlap=True)
             saved_model = {k: v.clone() for k, v in model.state_dict().items()}
             saved_zero = _consolidated(zero)
             assert len(saved_zero["state"]) == (0 if stop == 0 else len(list(model.parameters())))
 
-            model, ddp, zero = overlapped(builder, optim, False, True)
+            model, ddp, zero = overlapped(builder, optim, False, True, rs=rs)
             model.load_state_dict(saved_model)
             zero.load_state_dict(saved_zero)
             for step in range(stop, steps):
@@ -250,18 +277,45 @@ def _resume(rank: int, world: int, steps: int = 4) -> None:
 
 
 def _interchangeable(rank: int, world: int) -> None:
-    """A non-overlapped ZeRO checkpoint resumes under the overlap hook, and gives the same run."""
-    ref_model, ref_ddp, ref_zero = reference("adam", False)
-    for step in range(2):
-        train_step(ref_ddp, ref_zero, batch(rank, step), overlap=False)
-    saved = _consolidated(ref_zero)
-    model, ddp, zero = overlapped("interleaved", "adam", False, False)
-    model.load_state_dict(ref_model.state_dict())
-    zero.load_state_dict(saved)
-    for step in range(2, 4):
-        train_step(ddp, zero, batch(rank, step), overlap=True)
-        train_step(ref_ddp, ref_zero, batch(rank, step), overlap=False)
-        torch.testing.assert_close(flat_params(model), flat_params(ref_model))
+    """Checkpoints move between non-overlapped ZeRO and every overlap layout, and give the same run.
+
+    reduce_scatter=True keeps element-wise slices of the optimizer state, but its state_dict()
+    is torch's per-parameter format: a non-overlapped checkpoint loads into it, and its
+    checkpoint loads into a non-overlapped ZeRO (and into the per-parameter overlap layout).
+    """
+    for rs in (False, True):
+        tol = RS_TOL if rs else {}
+        ref_model, ref_ddp, ref_zero = reference("adam", False)
+        for step in range(2):
+            train_step(ref_ddp, ref_zero, batch(rank, step), overlap=False)
+        saved = _consolidated(ref_zero)
+        model, ddp, zero = overlapped("interleaved", "adam", False, False, rs=rs)
+        model.load_state_dict(ref_model.state_dict())
+        zero.load_state_dict(saved)
+        for step in range(2, 4):
+            train_step(ddp, zero, batch(rank, step), overlap=True)
+            train_step(ref_ddp, ref_zero, batch(rank, step), overlap=False)
+            torch.testing.assert_close(flat_params(model), flat_params(ref_model), **tol)
+        # ... and back: the overlap checkpoint resumes a non-overlapped ZeRO, and the other layout.
+        ours = _consolidated(zero)
+        theirs = _consolidated(ref_zero)
+        assert ours["state"].keys() == theirs["state"].keys()
+        for index, entry in theirs["state"].items():
+            assert ours["state"][index].keys() == entry.keys()
+            for key, value in entry.items():
+                torch.testing.assert_close(ours["state"][index][key], value, **tol, msg=f"rs{rs} {index} {key}")
+        back_model, back_ddp, back_zero = reference("adam", False)
+        back_model.load_state_dict(model.state_dict())
+        back_zero.load_state_dict(copy.deepcopy(ours))  # torch's load_state_dict edits its argument
+        other_model, other_ddp, other_zero = overlapped("step", "adam", False, True, rs=not rs)
+        other_model.load_state_dict(model.state_dict())
+        other_zero.load_state_dict(ours)
+        for step in range(4, 6):
+            train_step(ddp, zero, batch(rank, step), overlap=True)
+            train_step(back_ddp, back_zero, batch(rank, step), overlap=False)
+            train_step(other_ddp, other_zero, batch(rank, step), overlap=True)
+            torch.testing.assert_close(flat_params(back_model), flat_params(model), **RS_TOL)
+            torch.testing.assert_close(flat_params(other_model), flat_params(model), **RS_TOL)
 
 
 # -- the bf16 hook, wrapped ------------------------------------------------------------------------
@@ -345,6 +399,15 @@ def _errors(rank: int, world: int) -> None:
             ddp, zero = fresh()
             with pytest.raises(ValueError, match=r"reduce_scatter: True needs hook to be one of .*allreduce_hook"):
                 build(bad, ddp, zero, reduce_scatter=True)
+
+        # reduce_scatter=True: a checkpoint of another model says so.
+        ddp, zero = fresh()
+        build(allreduce_hook, ddp, zero, reduce_scatter=True)
+        bad_state = {"state": {}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}
+        with pytest.raises(ValueError, match=r"state_dict: expected 1 parameter group of 6 parameters"):
+            zero.load_state_dict(bad_state)
+        with pytest.raises(RuntimeError, match=r"consolidate_state_dict"):
+            zero.state_dict()
 
         # Built after a backward pass has run.
         ddp, zero = fresh()

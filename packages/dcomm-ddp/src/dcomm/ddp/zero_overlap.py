@@ -31,14 +31,22 @@ and a single ``all_gather_into_tensor`` returns the updated parameters; otherwis
 broadcasts its piece (one broadcast per bucket with ``shard_buckets=False``).
 
 ``reduce_scatter=True`` (opt-in, for dcomm's or torch's ``allreduce_hook`` /
-``fp16_compress_hook`` / ``bf16_compress_hook`` only) replaces the wrapped hook's allreduce:
-each bucket, divided by the world size in the hook's dtype, is reduce-scattered onto the owners
-of its equal pieces (or, for uneven pieces, reduced onto each owner), the owner steps, and the
-parameters come back as above: 2 units of traffic per step instead of 3. After backward a
-``param.grad`` then holds the averaged gradient **only on the rank that owns the parameter**;
-other ranks hold their local (or partially reduced) gradient. The parameters still equal those
-of non-overlapped ZeRO, up to summation order (float32: within rtol 1e-5 / atol 1e-6 after
-several Adam steps; bit-identical on 2 gloo ranks).
+``fp16_compress_hook`` / ``bf16_compress_hook`` only) replaces the wrapped hook's allreduce and
+shards **element-wise** (:mod:`dcomm.ddp.zero_sharded`): every bucket is packed into one flat
+buffer cut into ``world`` equal slices (fewer than ``world`` elements of padding), whatever the
+parameter boundaries, and rank ``r``'s local optimizer steps slice ``r`` of every bucket. Per
+bucket: one reduce-scatter of ``bucket / world`` (in the hook's dtype), the step, one
+all-gather of the updated slices: 2 units of traffic per step instead of 3, and equal work on
+every rank even when a bucket holds a single large weight (``shard_buckets`` is then ignored).
+On CUDA each bucket's step is queued on a side stream as soon as its reduce-scatter is issued
+(a stream wait, the CPU never blocks on NCCL), so it runs while backward computes the next
+buckets; ``hook_with_zero_step`` issues the all-gathers after the last bucket,
+``hook_with_zero_step_interleaved`` each one behind the next bucket's reduce-scatter. After
+backward a ``param.grad`` holds the averaged gradient **only in this rank's slices**; elsewhere
+the local gradient. The parameters equal those of non-overlapped ZeRO up to summation order
+(float32: within rtol 1e-5 / atol 1e-6 after several Adam steps; bit-identical on 2 gloo ranks).
+``zero.state_dict()`` stays torch's per-parameter format (slices are joined on consolidation and
+cut again on load), so checkpoints move between every layout and non-overlapped ZeRO.
 
 Example::
 
@@ -65,7 +73,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from dcomm.core import reduce_scatter_future
+from dcomm.ddp.zero_sharded import ShardedDriver
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
@@ -100,7 +108,6 @@ class _BucketPlan:
     ``gather`` every owner's piece is padded to ``piece`` elements and laid out by rank
     (``[rank0 | rank1 | ...]``), so one ``all_gather_into_tensor`` returns the updated
     parameters; otherwise pieces are packed back to back and each owner broadcasts its own.
-    ``send`` / ``recv`` are the reduce-scatter (or per-owner reduce) buffers of ``reduce_scatter``.
     """
 
     key: tuple[int, ...]
@@ -110,8 +117,6 @@ class _BucketPlan:
     flat: torch.Tensor | None
     gather: bool
     piece: int
-    send: torch.Tensor | None = None
-    recv: torch.Tensor | None = None
 
 
 def _runs(members: list[tuple[torch.Tensor, int]], start: int) -> list[tuple[int, int, int]]:
@@ -144,15 +149,10 @@ class _Driver:
     rank: int
     interleaved: bool
     first_call_checks: Callable[[], None] | None
-    reduce_dtype: torch.dtype | bool | None = False  # False: allreduce via hook; else the rs dtype
     plans: dict[int, _BucketPlan] = field(default_factory=dict)
     pending: list[tuple[int, torch.futures.Future]] = field(default_factory=list)
     works: list[Any] = field(default_factory=list)
     stream: Any = None
-
-    @property
-    def reduce_scatter(self) -> bool:
-        return self.reduce_dtype is not False
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -211,56 +211,8 @@ class _Driver:
                 start += sizes[rank]
         mine = next((o for o in owners if o.rank == self.rank), None)
         plan = _BucketPlan(key, offset, owners, mine, flat, gather, piece)
-        if self.reduce_scatter and flat is not None:
-            buffer = bucket.buffer()
-            dtype = buffer.dtype if self.reduce_dtype is None else self.reduce_dtype
-            plan.send = torch.zeros(flat.numel(), dtype=dtype, device=buffer.device)
-            if gather:
-                plan.recv = torch.empty(piece, dtype=dtype, device=buffer.device)
         self.plans[index] = plan
         return plan
-
-    # -- reduce_scatter=True: average each piece onto its owner only ---------------------------
-
-    def reduce(self, plan: _BucketPlan, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Sum ``bucket / world`` onto the owners; the owner's averaged piece is written back."""
-        buffer = bucket.buffer()
-        send = plan.send
-        if send is None:  # no ZeRO parameter in this bucket: nothing to average
-            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-            done.set_result(buffer)
-            return done
-        world = self.group.size()
-        for owner in plan.owners:
-            for b, k, n in owner.runs:
-                # Copy, cast to the communication dtype and divide: one kernel per run.
-                torch.div(buffer[b : b + n], world, out=send[k : k + n])
-        mine = plan.mine
-        if plan.gather:
-            assert plan.recv is not None
-            fut = reduce_scatter_future(plan.recv, send, self.group)
-            averaged, base = plan.recv, self.rank * plan.piece
-        else:
-            works = [
-                dist.reduce(send[o.start : o.start + o.numel], dst=o.src, group=self.group, async_op=True)
-                for o in plan.owners
-            ]
-            if not buffer.is_cuda:
-                # gloo may run works on several threads: wait for all of them, in order.
-                for work in works[:-1]:
-                    work.wait()
-            # NCCL runs a group's works in order on one stream: the last one's future covers all.
-            fut = _work_future(works[-1])
-            averaged, base = send, 0
-
-        def write_back(f: torch.futures.Future) -> torch.Tensor:
-            f.wait()
-            if mine is not None:
-                for b, k, n in mine.runs:
-                    buffer[b : b + n].copy_(averaged[k - base : k - base + n])
-            return buffer
-
-        return fut.then(write_back)
 
     # -- per-bucket work ----------------------------------------------------------------------
 
@@ -339,19 +291,13 @@ class _Driver:
         if self.first_call_checks is not None:
             checks, self.first_call_checks = self.first_call_checks, None
             checks()
-            if self.reduce_scatter and isinstance(state, dist.ProcessGroup) and not _same_ranks(state, self.group):
-                raise ValueError(
-                    "state: reduce_scatter=True communicates over the ZeroRedundancyOptimizer's "
-                    "process group, but the hook was registered with another group; register it "
-                    "with ddp.register_comm_hook(None, ...)"
-                )
         index = bucket.index()
         if index == 0 and (self.pending or self.works):
             # A previous backward was interrupted: drop what it left behind.
             self.pending.clear()
             self.finish()
-        plan = self.plan(bucket)
-        fut = self.reduce(plan, bucket) if self.reduce_scatter else self.hook(state, bucket)
+        self.plan(bucket)
+        fut = self.hook(state, bucket)
         if self.stream is None and fut is not None and bucket.buffer().is_cuda:
             self.stream = torch.cuda.Stream(device=bucket.buffer().device)
         self.pending.append((index, fut))
@@ -370,17 +316,6 @@ class _Driver:
                 del self.plans[index_seen]
             self.finish()
         return fut
-
-
-def _work_future(work: Any) -> torch.futures.Future:
-    """The work's future; gloo works without one are waited for and give a completed future."""
-    try:
-        return work.get_future()
-    except RuntimeError:
-        work.wait()
-        done: torch.futures.Future = torch.futures.Future()
-        done.set_result(None)
-        return done
 
 
 # -- construction ------------------------------------------------------------------------------
@@ -514,7 +449,7 @@ def _build(
     _check_hook(hook)
     if not isinstance(reduce_scatter, bool):
         raise ValueError(f"reduce_scatter: expected True or False, got {reduce_scatter!r}")
-    reduce_dtype: torch.dtype | bool | None = _averaging_dtype(hook) if reduce_scatter else False
+    reduce_dtype = _averaging_dtype(hook) if reduce_scatter else None
     if not isinstance(ddp, DistributedDataParallel):
         raise ValueError(f"ddp: expected a DistributedDataParallel, got {type(ddp).__name__}")
     if not isinstance(zero, ZeroRedundancyOptimizer):
@@ -563,8 +498,9 @@ def _build(
     per_rank = _partition(_expected_buckets(ddp, trainable), zero.world_size, shard_buckets)
     zero._clear_cache()
     local_groups = zero._partition_parameters(per_rank)[zero.rank]
-    zero.optim = _optimizer_class(zero)(local_groups, **zero._optim_defaults)
-    zero._sync_param_groups(zero.optim.param_groups, zero.param_groups)
+    if not reduce_scatter:
+        zero.optim = _optimizer_class(zero)(local_groups, **zero._optim_defaults)
+        zero._sync_param_groups(zero.optim.param_groups, zero.param_groups)
     zero._overlap_info.status = _OverlapStatus.INITIALIZED
     zero._overlap_info.shard_buckets = shard_buckets
     setattr(zero, _ZERO_MARK, True)
@@ -577,7 +513,24 @@ def _build(
                 "forward"
             )
 
-    driver = _Driver(hook, zero, group, zero.rank, interleaved, late_registration, reduce_dtype)
+    driver: _Driver | ShardedDriver
+    if reduce_scatter:
+
+        def first_call(state: Any) -> None:
+            late_registration()
+            if isinstance(state, dist.ProcessGroup) and not _same_ranks(state, group):
+                raise ValueError(
+                    "state: reduce_scatter=True communicates over the ZeroRedundancyOptimizer's "
+                    "process group, but the hook was registered with another group; register it "
+                    "with ddp.register_comm_hook(None, ...)"
+                )
+
+        # Element-wise sharding: equal slices of every bucket, whatever the parameter boundaries.
+        cls = _optimizer_class(zero)
+        driver = ShardedDriver(hook, ddp, zero, trainable, cls, interleaved, reduce_dtype, first_call)
+    else:
+        driver = _Driver(hook, zero, group, zero.rank, interleaved, late_registration)
+    setattr(zero, _ZERO_MARK, driver)
 
     def hook_fn(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         return driver(state, bucket)
@@ -608,12 +561,13 @@ def hook_with_zero_step(
         zero: a ``ZeroRedundancyOptimizer`` over ``ddp.parameters()`` built with
             ``overlap_with_ddp=True`` and a single parameter group.
         shard_buckets: split each bucket's parameters across all ranks (True) or give each
-            bucket to one rank (False).
-        reduce_scatter: average each bucket onto its owners only (a reduce-scatter, or a
-            reduce per owner) instead of allreducing it: less traffic, but ``param.grad`` is
-            averaged only on the parameter's owner. ``hook`` must then be dcomm's or torch's
-            ``allreduce_hook``, ``fp16_compress_hook`` or ``bf16_compress_hook``, whose
-            arithmetic (divide by the world size, sum in the hook's dtype, cast back) is kept.
+            bucket to one rank (False); ignored with ``reduce_scatter=True``.
+        reduce_scatter: shard every bucket element-wise into equal slices, one per rank, and
+            reduce-scatter the gradient onto them instead of allreducing it: less traffic and
+            balanced work, but ``param.grad`` is averaged only in this rank's slices. ``hook``
+            must then be dcomm's or torch's ``allreduce_hook``, ``fp16_compress_hook`` or
+            ``bf16_compress_hook``, whose arithmetic (divide by the world size, sum in the
+            hook's dtype, cast back) is kept.
 
     Returns:
         The hook to pass to ``ddp.register_comm_hook(state, ...)``; ``state`` goes to ``hook``.

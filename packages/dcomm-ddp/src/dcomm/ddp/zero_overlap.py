@@ -73,7 +73,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from dcomm.ddp.zero_sharded import ShardedDriver
+from dcomm.ddp.zero_sharded import ShardedDriver, averaged_bucket
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
@@ -228,19 +228,9 @@ class _Driver:
             self._step_and_send(plan, fut, None)
 
     def _step_and_send(self, plan: _BucketPlan, fut: torch.futures.Future, stream: Any) -> None:
-        value = fut.wait()
-        if isinstance(value, (list, tuple)):
-            value = value[0] if len(value) == 1 else None
-        if not isinstance(value, torch.Tensor) or value.numel() != plan.numel:
-            got = type(value).__name__ if not isinstance(value, torch.Tensor) else f"{value.numel()} elements"
-            raise RuntimeError(
-                f"hook: the wrapped hook's future gave {got}, expected a tensor of the bucket's "
-                f"{plan.numel} elements; wrap a hook that returns the averaged bucket "
-                "(allreduce_hook, fp16_compress_hook, bf16_compress_hook)"
-            )
+        grad = averaged_bucket(fut.wait(), plan.numel)
         mine = plan.mine
         if mine is not None:
-            grad = value.reshape(-1)
             if grad.dtype != plan.flat.dtype:
                 raise RuntimeError(
                     f"hook: the wrapped hook returned a {grad.dtype} bucket for {plan.flat.dtype} "

@@ -38,6 +38,20 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dcomm.core import reduce_scatter_future
 
+
+def averaged_bucket(value: object, numel: int) -> torch.Tensor:
+    """The flat averaged bucket that a wrapped DDP hook's future gave, checked for its size."""
+    if isinstance(value, (list, tuple)):
+        value = value[0] if len(value) == 1 else None
+    if not isinstance(value, torch.Tensor) or value.numel() != numel:
+        got = type(value).__name__ if not isinstance(value, torch.Tensor) else f"{value.numel()} elements"
+        raise RuntimeError(
+            f"hook: the wrapped hook's future gave {got}, expected a tensor of the bucket's {numel} elements; "
+            "wrap a hook that returns the averaged bucket (allreduce_hook, fp16_compress_hook, bf16_compress_hook)"
+        )
+    return value.reshape(-1)
+
+
 # State entries that are per-step scalars even for 0-dim parameters (used only to classify the
 # state of buckets made of 0-dim parameters alone, where shapes cannot tell).
 _SCALAR_KEYS = ("step", "eta", "mu")
@@ -226,15 +240,7 @@ class ShardedDriver:
         value = item.fut.wait()
         plan = item.plan
         if plan.fast is None:
-            if isinstance(value, (list, tuple)):
-                value = value[0] if len(value) == 1 else None
-            if not isinstance(value, torch.Tensor) or value.numel() != plan.numel:
-                got = type(value).__name__ if not isinstance(value, torch.Tensor) else f"{value.numel()} elements"
-                raise RuntimeError(
-                    f"hook: the wrapped hook's future gave {got}, expected a tensor of the bucket's "
-                    f"{plan.numel} elements; wrap allreduce_hook, fp16_compress_hook or bf16_compress_hook"
-                )
-            value = value.reshape(-1)
+            value = averaged_bucket(value, plan.numel)
             for shard, offset, flat_offset, numel in plan.members:
                 # This rank's part of the parameter: its slice [lo, hi) of the flat buffer.
                 lo = max(flat_offset, self.rank * shard.chunk)

@@ -540,9 +540,10 @@ def hook_with_zero_step(
     """Wrap ``hook`` so that ``zero`` steps once the last bucket's gradients are in flight.
 
     When DDP hands over its last bucket, every bucket is updated in order: this rank waits for
-    the bucket's averaged gradient, steps the parameters it owns, and broadcasts them
-    asynchronously (or all-gathers it); the next bucket's step overlaps that collective. Parameters are updated at
-    every step, the first included, and equal those of a non-overlapped ZeRO run.
+    the bucket's averaged gradient, steps the parameters it owns, and sends them to the other
+    ranks asynchronously (one all-gather per balanced bucket, else a broadcast per owner); the
+    next bucket's step overlaps that collective. Parameters are updated at every step, the first
+    included, and equal those of a non-overlapped ZeRO run.
 
     Args:
         hook: the DDP communication hook to wrap, ``(state, bucket) -> Future[Tensor]`` giving

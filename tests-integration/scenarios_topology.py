@@ -73,8 +73,9 @@ def scenario_two_node_layout(rank: int, world_size: int) -> None:
         for a, b in zip(ours, theirs, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         # Replicas agree inside a node and differ across nodes (local steps diverged).
-        gathered = [torch.empty_like(ours[0]) for _ in range(world_size)]
-        dist.all_gather(gathered, ours[0].to(device()))
+        local = ours[0].to(device())
+        gathered = [torch.empty_like(local) for _ in range(world_size)]
+        dist.all_gather(gathered, local)
         gathered = [g.cpu() for g in gathered]
         assert all(torch.equal(gathered[r], gathered[node_ranks[0]]) for r in node_ranks)
         other = (node_ranks[0] + per_node) % world_size

@@ -64,16 +64,22 @@ def _check_dtype(dtype: torch.dtype) -> None:
         )
 
 
+def _on_nccl(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is reduced by NCCL on ``group`` (a CUDA tensor on an NCCL group)."""
+    if tensor.device.type != "cuda":
+        return False
+    try:
+        return dist.get_backend(group) == "nccl"
+    except (RuntimeError, ValueError):  # pragma: no cover - a group this process is not in
+        return False
+
+
 def _nccl_premul_sum(group: dist.ProcessGroup, tensor: torch.Tensor, factor: float) -> Any:
     """NCCL's pre-multiplied SUM by ``factor`` for ``tensor`` on ``group``, or None where unavailable."""
     make = getattr(dist, "_make_nccl_premul_sum", None)
-    if make is None or tensor.device.type != "cuda":
+    if make is None or not _on_nccl(group, tensor):
         return None
-    try:
-        backend = dist.get_backend(group)
-    except (RuntimeError, ValueError):  # pragma: no cover - a group this process is not in
-        return None
-    return make(factor) if backend == "nccl" else None
+    return make(factor)
 
 
 class LowPrecisionReduceScatter:
@@ -93,9 +99,10 @@ class LowPrecisionReduceScatter:
       the product is exact and equal to the division).
     - bf16: bf16 has float32's exponent range, so dividing by ``pre`` (a power of two) is exact,
       the sum of the divided inputs is the divided sum, and ``(sum / pre) / post`` rounds exactly
-      like ``sum / world``: the shard is divided once by the group size, giving bit for bit the
-      result of the separate pre/post divide (gradients below 2**-126 * pre, which a pre-divide
-      would flush, are kept). No ``PREMUL_SUM`` and no ``AVG`` for bf16.
+      like ``sum / world``. On NCCL (more than one rank) the reduce-scatter is NCCL's ``AVG``, the
+      op torch's own bf16 reduction uses; elsewhere (gloo has no ``AVG``) the shard is divided once
+      by the group size, giving bit for bit the result of the separate pre/post divide. Never
+      ``PREMUL_SUM`` for bf16.
 
     Fallback, for input in another dtype (a reduce dtype that could not be changed): the input is
     cast to ``dtype`` divided by the pre-divide factor into a new buffer, and the shard written
@@ -161,7 +168,10 @@ class LowPrecisionReduceScatter:
         if input_tensor.dtype == self.dtype and output_tensor.dtype == self.dtype:
             reduce_op: Any = dist.ReduceOp.SUM
             if self.dtype == torch.bfloat16:
-                pre, post = 1.0, float(world)  # exact: see the class docstring
+                if world > 1 and _on_nccl(group, input_tensor):
+                    reduce_op, pre, post = dist.ReduceOp.AVG, 1.0, 1.0  # NCCL divides inside the sum
+                else:
+                    pre, post = 1.0, float(world)  # exact: see the class docstring
             elif pre > 1 and (premul := _nccl_premul_sum(group, input_tensor, 1.0 / pre)) is not None:
                 reduce_op, pre = premul, 1.0
             if pre > 1:

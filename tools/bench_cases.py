@@ -138,6 +138,19 @@ def loss_of(output: torch.Tensor) -> torch.Tensor:
     return output.float().square().mean()
 
 
+def sgd_step(model: nn.Module, sizes: Sizes, bench: Bench) -> Step:
+    """One SGD training step of ``model`` on a fixed batch (gradients zeroed in place)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    batch = make_batch(sizes, bench.device)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=False)
+        loss_of(model(batch)).backward()
+        optimizer.step()
+
+    return step
+
+
 def make_ddp(module: nn.Module, bench: Bench) -> nn.parallel.DistributedDataParallel:
     device_ids = [bench.device] if bench.is_cuda else None
     return nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
@@ -448,15 +461,7 @@ def build_fsdp_step(bench: Bench, sizes: Sizes, strategy: str, hook: tuple[str, 
     )
     if hook is not None:
         model.register_comm_hook(*fsdp_hook(*hook))
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    batch = make_batch(sizes, bench.device)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=False)
-        loss_of(model(batch)).backward()
-        optimizer.step()
-
-    return step
+    return sgd_step(model, sizes, bench)
 
 
 def case_fsdp(bench: Bench, sizes: Sizes) -> list[Row]:
@@ -503,15 +508,7 @@ def build_fully_shard_step(bench: Bench, sizes: Sizes, reduction: tuple[str, str
     fully_shard(model, mp_policy=policy)
     if impl == "dcomm":
         use_low_precision_reduction(model, dtype)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    batch = make_batch(sizes, bench.device)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=False)
-        loss_of(model(batch)).backward()
-        optimizer.step()
-
-    return step
+    return sgd_step(model, sizes, bench)
 
 
 def case_fully_shard(bench: Bench, sizes: Sizes) -> list[Row]:

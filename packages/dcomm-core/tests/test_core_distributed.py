@@ -128,3 +128,13 @@ def _hang_on_rank_one(rank: int, world: int) -> None:
 def test_run_ranks_reports_failure_without_hanging() -> None:
     with pytest.raises(RankFailure, match="boom on rank 1"):
         run_ranks(_hang_on_rank_one, 2, timeout=60)
+
+
+def _nccl_check(rank: int, world: int) -> None:
+    from dcomm.core import reduced_by_nccl
+
+    assert not reduced_by_nccl(dist.group.WORLD, torch.ones(1))  # CPU tensor on gloo
+
+
+def test_reduced_by_nccl_is_false_for_cpu_tensors_on_gloo() -> None:
+    run_ranks(_nccl_check, 2)

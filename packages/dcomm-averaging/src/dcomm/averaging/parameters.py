@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from dcomm.core import divide_factors, resolve_group
+from dcomm.core import divide_factors, reduced_by_nccl, resolve_group
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -200,11 +200,7 @@ def _nccl_average(group: dist.ProcessGroup, flat: torch.Tensor) -> bool:
 
     Never on gloo (no AVG there), never for fp16/bf16 (their pre/post divide guards the range).
     """
-    return (
-        flat.device.type == "cuda"
-        and flat.dtype in (torch.float32, torch.float64)
-        and "nccl" in str(dist.get_backend(group))
-    )
+    return flat.dtype in (torch.float32, torch.float64) and reduced_by_nccl(group, flat)
 
 
 def _overlap(flats: list[torch.Tensor]) -> bool:

@@ -8,7 +8,13 @@ Example::
 """
 
 from dcomm.core.__about__ import __version__
-from dcomm.core.collectives import allreduce_future, group_size, reduce_scatter_future, resolve_group
+from dcomm.core.collectives import (
+    allreduce_future,
+    group_size,
+    reduce_scatter_future,
+    reduced_by_nccl,
+    resolve_group,
+)
 from dcomm.core.divide_factors import divide_factors
 from dcomm.core.groups import intra_node_subgroups, local_world_size, subgroups_of_size
 from dcomm.core.low_precision import (
@@ -33,6 +39,7 @@ __all__ = [
     "keep_until_stream_done",
     "local_world_size",
     "reduce_scatter_future",
+    "reduced_by_nccl",
     "resolve_group",
     "subgroups_of_size",
 ]

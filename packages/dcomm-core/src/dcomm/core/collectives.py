@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 __all__ = [
     "allreduce_future",
+    "reduced_by_nccl",
     "group_size",
     "reduce_scatter_future",
     "resolve_group",
@@ -53,6 +54,24 @@ def group_size(group: dist.ProcessGroup | None) -> int:
         True
     """
     return dist.get_world_size(resolve_group(group))
+
+
+def reduced_by_nccl(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
+    """Whether a collective on ``group`` reduces ``tensor`` with NCCL (a CUDA tensor, NCCL backend).
+
+    Where it does, NCCL-only reduce ops (``AVG``, pre-multiplied sums) are available.
+
+    Example::
+
+        >>> reduced_by_nccl(dist.group.WORLD, torch.ones(1))  # a CPU tensor  # doctest: +SKIP
+        False
+    """
+    if tensor.device.type != "cuda":
+        return False
+    try:
+        return "nccl" in str(dist.get_backend(group))
+    except (RuntimeError, ValueError):  # a group this process is not in
+        return False
 
 
 def _work_future(work: dist.Work) -> torch.futures.Future:

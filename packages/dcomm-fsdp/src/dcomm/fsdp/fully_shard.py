@@ -32,7 +32,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dcomm.core import LOW_PRECISION_DTYPES, cast_for_communication, copy_back, divide_factors, keep_until_stream_done
+from dcomm.core import (
+    LOW_PRECISION_DTYPES,
+    cast_for_communication,
+    copy_back,
+    divide_factors,
+    keep_until_stream_done,
+    reduced_by_nccl,
+)
 
 __all__ = ["LowPrecisionReduceScatter", "low_precision_mp_policy", "use_low_precision_reduction"]
 
@@ -64,20 +71,10 @@ def _check_dtype(dtype: torch.dtype) -> None:
         )
 
 
-def _on_nccl(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is reduced by NCCL on ``group`` (a CUDA tensor on an NCCL group)."""
-    if tensor.device.type != "cuda":
-        return False
-    try:
-        return dist.get_backend(group) == "nccl"
-    except (RuntimeError, ValueError):  # pragma: no cover - a group this process is not in
-        return False
-
-
 def _nccl_premul_sum(group: dist.ProcessGroup, tensor: torch.Tensor, factor: float) -> Any:
     """NCCL's pre-multiplied SUM by ``factor`` for ``tensor`` on ``group``, or None where unavailable."""
     make = getattr(dist, "_make_nccl_premul_sum", None)
-    if make is None or not _on_nccl(group, tensor):
+    if make is None or not reduced_by_nccl(group, tensor):
         return None
     return make(factor)
 
@@ -168,7 +165,7 @@ class LowPrecisionReduceScatter:
         if input_tensor.dtype == self.dtype and output_tensor.dtype == self.dtype:
             reduce_op: Any = dist.ReduceOp.SUM
             if self.dtype == torch.bfloat16:
-                if world > 1 and _on_nccl(group, input_tensor):
+                if world > 1 and reduced_by_nccl(group, input_tensor):
                     reduce_op, pre, post = dist.ReduceOp.AVG, 1.0, 1.0  # NCCL divides inside the sum
                 else:
                     pre, post = 1.0, float(world)  # exact: see the class docstring

@@ -158,16 +158,17 @@ def scenario_averaging_lean_mixed_dtypes(rank: int, world_size: int) -> None:
 
 @scenario(min_world_size=2)
 def scenario_averaging_in_place_coalesced(rank: int, world_size: int) -> None:
-    """NCCL: every parameter averaged in its own storage through coalesced groups, zero extra bytes.
+    """NCCL: every parameter averaged in its own storage through grouped launches, zero extra bytes.
 
-    150 fp32 parameters (three coalesced groups of at most 64), bf16 ones (pre/post division) and
-    a channels-last one, against the float64 mean and torch's ``average_parameters``. Under gloo
-    the same call takes the bucket path and must give the same answers.
+    150 fp32 parameters (three launches of at most 64), bf16 ones (pre/post division) and a
+    channels-last one, against the float64 mean and torch's ``average_parameters``; then a
+    flattened model (parameters carved back to back out of one buffer), which is one allreduce.
+    Under gloo the same calls take the bucket path and must give the same answers.
     """
     from dcomm.averaging import parameters as impl
 
     on_nccl = dist.get_backend() == "nccl"
-    assert impl._averages_in_place(device(), dist.group.WORLD) == on_nccl
+    assert impl._averages_in_place(torch.empty(0, device=device()), dist.group.WORLD) == on_nccl
     shapes = [(4 + i % 7, 3 + i % 5) for i in range(150)] + [(33,)] * 3
     dtypes = [torch.float32] * 150 + [torch.bfloat16] * 3
     values = [
@@ -194,15 +195,14 @@ def scenario_averaging_in_place_coalesced(rank: int, world_size: int) -> None:
 
     params = build()
     pointers = [(p.data_ptr(), p.stride()) for p in params]
-    rests: list[list[torch.Tensor]] = []
+    calls: list[list[torch.Tensor]] = []
     real = impl._average_in_place
 
-    def spy(*args: Any) -> list[torch.Tensor]:
-        rests.append(real(*args))
-        return rests[-1]
+    def spy(tensors: list[torch.Tensor], *args: Any) -> None:
+        calls.append(list(tensors))
+        real(tensors, *args)
 
-    impl._average_in_place = spy  # type: ignore[assignment]
-    try:
+    def averaged_without_memory(params: list[torch.nn.Parameter]) -> None:
         if on_nccl:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -211,13 +211,27 @@ def scenario_averaging_in_place_coalesced(rank: int, world_size: int) -> None:
         if on_nccl:
             extra = torch.cuda.max_memory_allocated() - base
             assert extra == 0, f"the in-place path allocated {extra} bytes of device memory"
+
+    impl._average_in_place = spy  # type: ignore[assignment]
+    try:
+        averaged_without_memory(params)
+        assert [len(c) for c in calls] == ([151, 3] if on_nccl else []), "fp32 + bf16 in place on NCCL only"
+        # The flattened model: one buffer, one allreduce of all of it, no extra memory.
+        flat = torch.cat([v.reshape(-1) for v in values[rank][:150]]).float().to(device())
+        numels = [torch.Size(shape).numel() for shape in shapes[:150]]
+        carved = [
+            torch.nn.Parameter(piece.view(shape)) for piece, shape in zip(flat.split(numels), shapes[:150], strict=True)
+        ]
+        calls.clear()
+        averaged_without_memory(carved)
+        if on_nccl:
+            assert len(calls) == 1
+            assert [t.numel() for t in calls[0]] == [flat.numel()], "the carved parameters were not joined"
     finally:
         impl._average_in_place = real  # type: ignore[assignment]
-    if on_nccl:
-        assert len(rests) == 2, rests  # fp32 and bf16
-        assert all(rest == [] for rest in rests), "fell back to the buckets on NCCL"
-    else:
-        assert rests == []
+    for p, i in zip(carved, range(150), strict=True):
+        want = torch.stack([values[r][i] for r in range(world_size)]).mean(0)
+        torch.testing.assert_close(p.detach().double().cpu(), want, rtol=1e-6, atol=1e-6)
     assert [(p.data_ptr(), p.stride()) for p in params] == pointers, "a parameter moved"
     expected = [torch.stack([values[r][i] for r in range(world_size)]).mean(0) for i in range(len(shapes))]
     expected.append(torch.stack(conv).mean(0))

@@ -160,8 +160,12 @@ def make_ddp(module: nn.Module, bench: Bench) -> nn.parallel.DistributedDataPara
 # (a) parameter averaging vs a raw allreduce of the same bytes
 
 
-def _averaged_tensors(bench: Bench, sizes: Sizes) -> list[nn.Parameter]:
+def _averaged_tensors(bench: Bench, sizes: Sizes, flattened: bool = False) -> list[nn.Parameter]:
+    """The averaged parameters: separate tensors, or (``flattened``) views carved out of one buffer."""
     value = float(dist.get_rank())
+    if flattened:
+        flat = torch.full((sizes.avg_tensors * sizes.avg_numel,), value, device=bench.device)
+        return [nn.Parameter(piece, requires_grad=False) for piece in flat.split(sizes.avg_numel)]
     return [
         nn.Parameter(torch.full((sizes.avg_numel,), value, device=bench.device), requires_grad=False)
         for _ in range(sizes.avg_tensors)
@@ -173,12 +177,12 @@ def build_raw_allreduce(bench: Bench, sizes: Sizes) -> Step:
     return lambda: dist.all_reduce(flat)
 
 
-def build_average_parameters(bench: Bench, sizes: Sizes, impl: str) -> Step:
+def build_average_parameters(bench: Bench, sizes: Sizes, impl: str, flattened: bool = False) -> Step:
     if impl == "torch":
         from torch.distributed.algorithms.model_averaging.utils import average_parameters
     else:
         from dcomm.averaging import average_parameters
-    params = _averaged_tensors(bench, sizes)
+    params = _averaged_tensors(bench, sizes, flattened)
     group = dist.group.WORLD
     return lambda: average_parameters(iter(params), group)
 
@@ -194,14 +198,16 @@ def case_averaging(bench: Bench, sizes: Sizes) -> list[Row]:
     raw = bench.run(lambda: build_raw_allreduce(bench, sizes))
     torch_avg = bench.run(lambda: build_average_parameters(bench, sizes, "torch"))
     dcomm_avg = bench.run(lambda: build_average_parameters(bench, sizes, "dcomm"))
-    outcomes = {"dcomm": dcomm_avg, "torch": torch_avg}
+    dcomm_flat = bench.run(lambda: build_average_parameters(bench, sizes, "dcomm", flattened=True))
+    outcomes = {"dcomm": dcomm_avg, "torch": torch_avg, "dcomm flattened": dcomm_flat}
     details: dict[str, float | str] = {"MiB": sizes.avg_bytes / 2**20, "tensors": sizes.avg_tensors}
     details.update(_ratios(outcomes, raw, "raw"))
     for name, outcome in {**outcomes, "raw": raw}.items():
         busbw = bus_bandwidth_gbps(sizes.avg_bytes, bench.world, outcome)
         if busbw is not None:
             details[f"busbw {name} GB/s"] = round(busbw, 2)
-    return [Row("averaging", dcomm_avg, torch_avg, {"raw allreduce": raw}, details)]
+    baselines = {"raw allreduce": raw, "dcomm, flattened model": dcomm_flat}
+    return [Row("averaging", dcomm_avg, torch_avg, baselines, details)]
 
 
 # --------------------------------------------------------------------------------------------

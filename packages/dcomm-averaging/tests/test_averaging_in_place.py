@@ -1,18 +1,16 @@
 """The in-place (NCCL) path of average_parameters, exercised on CPU.
 
-gloo has no NCCL-style ``startCoalescing``, but torch's ``_coalescing_manager`` without a device
-sends the recorded allreduces through gloo's ``allreduce_coalesced``: the same Python path, the
-same in-place division and post-division, the same tensors (the parameters' own storage). So the
-in-place code runs for real here with the manager's device forced to None; the decision (which
-devices and backends take it) is checked against fakes, and the fallback to buckets against
-gloo's real refusal to start coalescing with a device.
+On NCCL the path hands each run of parameters to the group's coalesced allreduce, which NCCL runs
+as one grouped launch of in-place allreduces. gloo has the same ``allreduce_coalesced`` (it sums
+through a copy of its own, out of the tracked Python allocations), so the in-place code runs for
+real here with the decision forced: the same runs, the same in-place division and post-division,
+the same tensors (the parameters' own storage, or one view over parameters that lie back to back).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,7 +23,7 @@ import dcomm.averaging.parameters as impl
 from dcomm.averaging import average_parameters
 from dcomm.core.testing import run_ranks
 
-# More parameters than one coalesced group holds once the limits are lowered, every dtype.
+# More parameters than one launch holds once the limits are lowered, every dtype.
 MANY = [((3, 5), torch.float32, False)] * 9 + [((7,), torch.bfloat16, False)] * 5 + [((4,), torch.float16, False)] * 4
 
 
@@ -44,16 +42,15 @@ def patched(**attrs: Any) -> Iterator[None]:
 
 @contextmanager
 def forced_in_place(calls: list[list[torch.Tensor]] | None = None) -> Iterator[None]:
-    """Every device takes the in-place path, its manager without a device (what gloo supports)."""
+    """Every device takes the in-place path; ``calls`` gets the tensors of each call."""
     real = impl._average_in_place
 
-    def in_place(flats: list[torch.Tensor], group: Any, world: int, device: Any) -> list[torch.Tensor]:
-        rest = real(flats, group, world, None)
+    def in_place(tensors: list[torch.Tensor], group: Any, world: int) -> None:
         if calls is not None:
-            calls.append(rest)
-        return rest
+            calls.append(list(tensors))
+        real(tensors, group, world)
 
-    with patched(_averages_in_place=lambda device, group: True, _average_in_place=in_place):
+    with patched(_averages_in_place=lambda first, group: True, _average_in_place=in_place):
         yield
 
 
@@ -64,9 +61,14 @@ def _pointers(params: list[torch.nn.Parameter]) -> list[tuple[int, torch.dtype, 
 def _in_place_checks(rank: int, world: int) -> None:
     everyone = list(range(world))
 
-    # Mixed dtypes and a channels-last layout, in place, against the float64 mean: nothing left
-    # for the buckets, no parameter moved, not one byte allocated (no bucket, no flat copy).
-    for limits in [{}, {"_COALESCE_MAX_TENSORS": 3}, {"_COALESCE_MAX_BYTES": 64}]:
+    # Mixed dtypes and a channels-last layout, in place, against the float64 mean: no parameter
+    # moved, not one byte allocated (no bucket, no flat copy), whatever the launch sizes.
+    limits_list: list[dict[str, int]] = [
+        {},
+        {"_CHUNK_MAX_TENSORS": 3},
+        {"_FIRST_CHUNK_BYTES": 16, "_CHUNK_MAX_BYTES": 64},
+    ]
+    for limits in limits_list:
         for specs, seed in [(SPECS, 0), (MANY, 1)]:
             params = make_params(rank, specs, seed)
             before = _pointers(params)
@@ -74,7 +76,6 @@ def _in_place_checks(rank: int, world: int) -> None:
             with patched(**limits), forced_in_place(calls), AllocationTracker() as mem:
                 average_parameters(params, None, bucket_cap_mb=64 / MIB)
             assert calls, "the in-place path was not taken"
-            assert all(rest == [] for rest in calls), "a group fell back to the buckets"
             assert mem.peak == 0, f"the in-place path allocated {mem.peak} bytes"
             assert _pointers(params) == before, "not in place"
             assert_averaged(params, exact_mean(everyone, specs, seed))
@@ -89,13 +90,32 @@ def _in_place_checks(rank: int, world: int) -> None:
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a, b)
 
-    # The internal function directly: every flat averaged, none returned, pointers unchanged.
+    # A flattened model: parameters carved back to back out of one buffer are one allreduce of
+    # one view over all of them; a gap splits them into two.
+    for gap, runs in [(0, 1), (3, 2)]:
+        flat = torch.cat([p.detach().reshape(-1) for p in make_params(rank, fp32, seed=8)])
+        flat = torch.cat([flat[:15], torch.full((gap,), 7.0), flat[15:]]) if gap else flat
+        starts = [0, 15 + gap, 32 + gap]
+        shapes = [shape for shape, _, _ in fp32]
+        params = [
+            torch.nn.Parameter(flat[s:].narrow(0, 0, sh.numel()).view(sh))
+            for s, sh in zip(starts, map(torch.Size, shapes), strict=True)
+        ]
+        calls = []
+        with forced_in_place(calls):
+            average_parameters(params, None)
+        assert [len(c) for c in calls] == [runs]
+        assert all(p.data_ptr() == flat[s:].data_ptr() for p, s in zip(params, starts, strict=True))
+        assert_averaged(params, exact_mean(everyone, fp32, seed=8))
+        if gap:
+            assert torch.equal(flat[15 : 15 + gap], torch.full((gap,), 7.0)), "the gap was averaged"
+
+    # The internal function directly: every tensor averaged in its storage.
     params = make_params(rank, [((6,), torch.float32, False)] * 4, seed=9)
-    flats = [p.detach().view(-1) for p in params]
-    before = [f.data_ptr() for f in flats]
+    before = [p.data_ptr() for p in params]
     with torch.no_grad():
-        assert impl._average_in_place(flats, dist.group.WORLD, world, None) == []
-    assert [f.data_ptr() for f in flats] == before == [p.data_ptr() for p in params]
+        impl._average_in_place(list(params), dist.group.WORLD, world)
+    assert [p.data_ptr() for p in params] == before
     assert_averaged(params, exact_mean(everyone, [((6,), torch.float32, False)] * 4, seed=9))
 
     # A subgroup on the in-place path: members average among themselves, others change nothing.
@@ -109,41 +129,6 @@ def _in_place_checks(rank: int, world: int) -> None:
     else:
         for p, mine in zip(params, make_params(rank, seed=3), strict=True):
             assert torch.equal(p, mine)
-
-    # The manager refuses to start (gloo has no startCoalescing for a device): nothing was
-    # touched, everything goes through the buckets, and the group still communicates normally.
-    params = make_params(rank, MANY, seed=4)
-    calls = []
-    real = impl._average_in_place
-
-    def with_device(flats: list[torch.Tensor], group: Any, world: int, device: Any) -> list[torch.Tensor]:
-        rest = real(flats, group, world, torch.device("cpu"))
-        calls.append(rest)
-        return rest
-
-    with patched(_averages_in_place=lambda device, group: True, _average_in_place=with_device):
-        average_parameters(params, None, bucket_cap_mb=64 / MIB)
-    assert calls, "the in-place path was not tried"
-    assert all(len(rest) > 0 for rest in calls), "gloo started coalescing with a device?"
-    assert_averaged(params, exact_mean(everyone, MANY, seed=4))
-    assert dist.group.WORLD not in dist.distributed_c10d._world.pg_coalesce_state
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    assert t.item() == world
-
-    # A coalescing manager that is not there, or has another signature: the buckets, as before.
-    for stand_in in [None, lambda group=None: None]:
-        saved = dist._coalescing_manager
-        dist._coalescing_manager = stand_in  # type: ignore[assignment]
-        try:
-            assert impl._coalescing_manager() is None
-            params = make_params(rank, seed=5)
-            with forced_in_place(calls := []):
-                average_parameters(params, None)
-            assert [len(rest) for rest in calls] == [3, 1, 2, 1]  # every flat of every group back
-            assert_averaged(params, exact_mean(everyone, seed=5))
-        finally:
-            dist._coalescing_manager = saved
 
     # Parameters that alias each other are divided once each through the buckets, never in place.
     base = torch.arange(12, dtype=torch.float64) * (rank + 1)
@@ -175,28 +160,9 @@ def test_in_place_path(world: int) -> None:
 
 
 def _decision_checks(rank: int, world: int) -> None:
-    world_group = dist.group.WORLD
-    cuda = torch.device("cuda", 0)
-    # gloo: never in place, on the CPU or for CUDA tensors (its backend does not coalesce).
-    assert not impl._averages_in_place(torch.device("cpu"), world_group)
-    assert not impl._averages_in_place(cuda, world_group)
-
-    # A group whose backend for the device coalesces (NCCL): in place; CPU tensors never are.
-    def fake_group(get_backend: Callable[[torch.device], Any]) -> Any:
-        return SimpleNamespace(_get_backend=get_backend)
-
-    nccl_like = fake_group(lambda device: SimpleNamespace(supports_coalescing=True))
-    assert impl._averages_in_place(cuda, nccl_like)
-    assert not impl._averages_in_place(torch.device("cpu"), nccl_like)
-    no_flag = fake_group(lambda device: SimpleNamespace())
-    assert not impl._averages_in_place(cuda, no_flag)
-
-    def refuse(device: torch.device) -> Any:
-        raise RuntimeError("no backend for this device")
-
-    assert not impl._averages_in_place(cuda, fake_group(refuse))
-    with patched(_coalescing_manager=lambda: None):
-        assert not impl._averages_in_place(cuda, nccl_like)
+    # gloo: never in place (NCCL only), on the CPU or for tensors on another device type.
+    assert not impl._averages_in_place(torch.zeros(1), dist.group.WORLD)
+    assert not impl._averages_in_place(torch.empty(1, device="meta"), dist.group.WORLD)
 
     # gloo, unpatched: the bucket path, exactly as before (one staging buffer of the bytes).
     params = make_params(rank, [((5, 3), torch.float32, False), ((17,), torch.float32, False)], seed=2)
@@ -209,15 +175,42 @@ def test_decision() -> None:
     run_ranks(_decision_checks, 2)
 
 
-def test_coalesced_chunks() -> None:
-    flats = [torch.empty(n, dtype=torch.float32) for n in [10, 10, 100, 1, 1, 1, 1]]
-    with patched(_COALESCE_MAX_TENSORS=3, _COALESCE_MAX_BYTES=80):
-        chunks = [(start, [f.numel() for f in chunk]) for start, chunk in impl._coalesced_chunks(flats)]
-    # 80 bytes = 20 fp32: [10, 10]; the 100-element flat alone; then at most 3 per chunk.
-    assert chunks == [(0, [10, 10]), (2, [100]), (3, [1, 1, 1]), (6, [1])]
-    with patched(_COALESCE_MAX_TENSORS=64, _COALESCE_MAX_BYTES=256 * MIB):
-        assert [len(c) for _, c in impl._coalesced_chunks([torch.empty(1)] * 130)] == [64, 64, 2]
-    assert list(impl._coalesced_chunks([])) == []
+def _sizes(chunks: Iterator[list[torch.Tensor]]) -> list[list[int]]:
+    return [[t.numel() for t in chunk] for chunk in chunks]
+
+
+def test_launch_chunks_grow() -> None:
+    tensors = [torch.empty(n, dtype=torch.float32) for n in [4, 4, 4, 4, 4, 4, 4, 100, 1, 1]]
+    # 16 bytes first (4 fp32), then 32, then 64 (the cap): the 100-element tensor goes alone.
+    with patched(_FIRST_CHUNK_BYTES=16, _CHUNK_MAX_BYTES=64, _CHUNK_MAX_TENSORS=64):
+        assert _sizes(impl._launch_chunks(tensors)) == [[4], [4, 4], [4, 4, 4, 4], [100], [1, 1]]
+    with patched(_FIRST_CHUNK_BYTES=2**30, _CHUNK_MAX_BYTES=2**30, _CHUNK_MAX_TENSORS=3):
+        assert _sizes(impl._launch_chunks(tensors)) == [[4, 4, 4], [4, 4, 4], [4, 100, 1], [1]]
+    # The defaults: 256 x 4 MiB -> 4, 8, 16, then 64 tensors (256 MiB) per launch.
+    big = [torch.empty(1).expand(2**20)] * 256
+    sizes = [len(c) for c in impl._launch_chunks(big)]
+    assert sizes[:4] == [4, 8, 16, 32]
+    assert set(sizes[4:-1]) == {64}
+    assert sum(sizes) == 256
+    assert list(impl._launch_chunks([])) == []
+
+
+def test_merge_adjacent() -> None:
+    flat = torch.arange(20.0)
+    pieces = [flat[0:6].view(2, 3), flat[6:10], flat[10:20]]
+    (merged,) = impl._merge_adjacent(pieces)
+    assert merged.data_ptr() == flat.data_ptr()
+    assert merged.shape == (20,)
+    merged.add_(1)  # a view, not a copy
+    assert flat[0].item() == 1
+    backwards = pieces[::-1]  # out of order: nothing joined
+    assert all(a is b for a, b in zip(impl._merge_adjacent(backwards), backwards, strict=True))
+    apart = [flat[0:5], flat[6:10], flat[10:20]]
+    out = impl._merge_adjacent(apart)
+    assert [t.numel() for t in out] == [5, 14]
+    assert out[0] is apart[0]
+    separate = [torch.zeros(3), torch.zeros(3)]
+    assert all(a is b for a, b in zip(impl._merge_adjacent(separate), separate, strict=True))
 
 
 def test_overlap() -> None:

@@ -4,18 +4,18 @@
 ever building a flat copy of the model. Parameters are grouped by ``(device, dtype)``; each group
 takes one of two paths:
 
-* **In place, zero extra memory** -- on a GPU whose backend coalesces collectives (NCCL): every
-  parameter is allreduced in its own storage (fp32/fp64 with NCCL's ``AVG``; fp16/bf16 divided in
-  place with ``torch._foreach_div_`` around a ``SUM``), the allreduces of up to 64 parameters /
-  256 MiB issued as one coalesced NCCL group through ``torch.distributed._coalescing_manager``,
-  so NCCL fuses them. Nothing is packed, copied
-  or allocated.
-* **Buckets, at most ``bucket_cap_mb`` extra** -- everywhere else (gloo and CPU parameters, or a
-  torch whose private coalescing API is missing or refuses the group): parameters are streamed
-  through a bounded staging area: pack a slice into a flat buffer, divide, allreduce (``SUM``),
-  copy back into the parameters' own storage. When a group is larger than one bucket the staging
-  area is split into two half-bucket buffers so that packing bucket ``i + 1`` overlaps the
-  allreduce of bucket ``i``.
+* **In place, zero extra memory** -- GPU tensors on an NCCL group: every parameter is allreduced
+  in its own storage (fp32/fp64 with NCCL's ``AVG``; fp16/bf16 divided in place with
+  ``torch._foreach_div_`` around a ``SUM``), through the group's coalesced allreduce: one grouped
+  NCCL launch per run of parameters, the first run 16 MiB so that the GPU starts at once, later
+  runs twice as large up to 256 MiB. Parameters that lie back to back in one storage (a
+  flattened model) are one allreduce. Nothing is packed, copied or allocated.
+* **Buckets, at most ``bucket_cap_mb`` extra** -- everywhere else (gloo and CPU parameters, or
+  GPU parameters that alias one another): parameters are streamed through a bounded staging
+  area: pack a slice into a flat buffer, divide, allreduce (``SUM``), copy back into the
+  parameters' own storage. When a group is larger than one bucket the staging area is split
+  into two half-bucket buffers so that packing bucket ``i + 1`` overlaps the allreduce of
+  bucket ``i``.
 
 Either way parameters keep their storage (optimizers and views that hold them stay valid) and
 their dtype (a bf16 parameter is averaged in bf16, never promoted), and the arithmetic is the
@@ -30,15 +30,12 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import itertools
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from dcomm.core import divide_factors, reduced_by_nccl, resolve_group
 
@@ -54,14 +51,14 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-_COALESCE_MAX_TENSORS = 64
-"""At most this many parameters per coalesced NCCL group of the in-place path."""
+_FIRST_CHUNK_BYTES = 16 * 2**20
+"""Bytes of the first grouped launch of the in-place path (later ones double, up to the max)."""
 
-_COALESCE_MAX_BYTES = 256 * 2**20
-"""At most this many bytes per coalesced NCCL group (a larger parameter is a group of its own)."""
+_CHUNK_MAX_BYTES = 256 * 2**20
+"""At most this many bytes per grouped launch (a larger tensor is a launch of its own)."""
 
-_SETUP_ERRORS = (TypeError, AttributeError, RuntimeError, ValueError)
-"""What entering torch's private coalescing manager may raise when it does not fit this torch."""
+_CHUNK_MAX_TENSORS = 64
+"""At most this many tensors per grouped launch."""
 
 
 class _Segment(NamedTuple):
@@ -168,31 +165,13 @@ def _divisors(dtype: torch.dtype, world: int) -> tuple[float, float]:
     return float(world), 1.0
 
 
-def _coalescing_manager() -> Callable[..., Any] | None:
-    """torch's private ``dist._coalescing_manager`` if it takes ``group``, ``device``, ``async_ops``."""
-    manager = getattr(dist, "_coalescing_manager", None)
-    if manager is None:
-        return None
-    try:
-        names = inspect.signature(manager).parameters
-    except (TypeError, ValueError):
-        return None
-    return manager if {"group", "device", "async_ops"} <= names.keys() else None
+def _averages_in_place(first: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """Whether tensors like ``first`` take the in-place path: GPU tensors reduced by NCCL.
 
-
-def _averages_in_place(device: torch.device, group: dist.ProcessGroup) -> bool:
-    """Whether parameters on ``device`` take the in-place path: a GPU backend that coalesces (NCCL).
-
-    gloo (CPU, or CUDA tensors on a gloo group) does not coalesce (its ``allreduce_coalesced``
-    would flatten into a copy anyway), so it keeps the buckets.
+    NCCL's coalesced allreduce reduces each tensor in its own storage (one grouped launch); gloo's
+    flattens into a copy, and its CPU tensors are better served by the buckets.
     """
-    if device.type == "cpu" or _coalescing_manager() is None:
-        return False
-    try:
-        backend = group._get_backend(device)
-    except _SETUP_ERRORS:
-        return False
-    return bool(getattr(backend, "supports_coalescing", False))
+    return reduced_by_nccl(group, first)
 
 
 def _nccl_average(group: dist.ProcessGroup, flat: torch.Tensor) -> bool:
@@ -203,88 +182,103 @@ def _nccl_average(group: dist.ProcessGroup, flat: torch.Tensor) -> bool:
     return flat.dtype in (torch.float32, torch.float64) and reduced_by_nccl(group, flat)
 
 
-def _overlap(flats: list[torch.Tensor]) -> bool:
-    """Whether two of ``flats`` share bytes (distinct parameters aliasing one another).
+def _end(tensor: torch.Tensor) -> int:
+    return tensor.data_ptr() + tensor.numel() * tensor.element_size()
+
+
+def _overlap(tensors: list[torch.Tensor]) -> bool:
+    """Whether two of ``tensors`` (dense) share bytes: distinct parameters aliasing one another.
 
     In place, shared bytes would be divided twice; the bucket path copies each parameter out and
     back, which stays right. Disjoint views of one buffer (a flattened model) do not overlap.
+    Different storages never share addresses, so comparing address ranges is enough.
     """
-    spans = sorted(
-        (f.untyped_storage().data_ptr(), f.data_ptr(), f.data_ptr() + f.numel() * f.element_size()) for f in flats
-    )
-    return any(a[0] == b[0] and b[1] < a[2] for a, b in itertools.pairwise(spans))
+    spans = sorted((t.data_ptr(), _end(t)) for t in tensors)
+    return any(b[0] < a[1] for a, b in itertools.pairwise(spans))
 
 
-def _coalesced_chunks(flats: list[torch.Tensor]) -> Iterator[tuple[int, list[torch.Tensor]]]:
-    """``(index of the first, chunk)``: runs of at most 64 flats and 256 MiB (at least one flat)."""
+def _dense(param: torch.Tensor) -> torch.Tensor:
+    """``param`` itself when contiguous (no new tensor), else its memory-order flat view."""
+    return param if param.is_contiguous() else _flat_view(param)
+
+
+def _merge_adjacent(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Join consecutive dense tensors that lie back to back in one storage into one 1-D view.
+
+    Parameters carved out of one flat buffer (a flattened model) then cost one allreduce, which
+    runs at the full bandwidth of a raw allreduce of the same bytes, instead of one each.
+    """
+    merged: list[torch.Tensor] = []
+    run: list[torch.Tensor] = []
+    for tensor in tensors:
+        if run and not (
+            tensor.data_ptr() == _end(run[-1])
+            and tensor.untyped_storage().data_ptr() == run[-1].untyped_storage().data_ptr()
+        ):
+            merged.append(_span(run))
+            run = []
+        run.append(tensor)
+    if run:
+        merged.append(_span(run))
+    return merged
+
+
+def _span(run: list[torch.Tensor]) -> torch.Tensor:
+    """One 1-D view over the back-to-back tensors of ``run`` (the tensor itself for one)."""
+    first = run[0]
+    if len(run) == 1:
+        return first
+    numel = sum(t.numel() for t in run)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,))
+
+
+def _launch_chunks(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """Runs of ``tensors`` for one grouped launch each, growing from 16 MiB to 256 MiB.
+
+    The first run is small so that the GPU starts communicating while the host issues the next;
+    each later run may hold twice the bytes of the one before, up to 256 MiB or 64 tensors (a
+    larger tensor is a run of its own).
+    """
+    limit = _FIRST_CHUNK_BYTES
     chunk: list[torch.Tensor] = []
-    start = size = 0
-    for index, flat in enumerate(flats):
-        nbytes = flat.numel() * flat.element_size()
-        if chunk and (len(chunk) == _COALESCE_MAX_TENSORS or size + nbytes > _COALESCE_MAX_BYTES):
-            yield start, chunk
-            chunk, start, size = [], index, 0
-        chunk.append(flat)
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if chunk and (len(chunk) == _CHUNK_MAX_TENSORS or size + nbytes > limit):
+            yield chunk
+            chunk, size, limit = [], 0, min(2 * limit, _CHUNK_MAX_BYTES)
+        chunk.append(tensor)
         size += nbytes
     if chunk:
-        yield start, chunk
+        yield chunk
 
 
-def _average_in_place(
-    flats: list[torch.Tensor],
-    group: dist.ProcessGroup,
-    world: int,
-    manager_device: torch.device | None,
-) -> list[torch.Tensor]:
-    """Average same-device, same-dtype contiguous flat views over ``group`` in their own storage.
+def _average_in_place(tensors: list[torch.Tensor], group: dist.ProcessGroup, world: int) -> None:
+    """Average same-device, same-dtype dense tensors over ``group`` in their own storage.
 
-    Each chunk is divided in place and its allreduces issued inside torch's coalescing manager
-    (``manager_device`` is passed to it: the GPU for NCCL's grouped launch, None for a backend
-    that only has ``allreduce_coalesced``). Chunks are launched back to back; then, chunk by
-    chunk, the current stream waits for the collective (never the host) and fp16/bf16 get their
-    post-division. No memory is allocated.
-
-    Returns the flats not averaged because the coalescing manager failed to start (nothing of
-    those was touched): the caller averages them through buckets.
+    Chunk by chunk (:func:`_launch_chunks`): divide in place, then one coalesced allreduce of the
+    chunk (NCCL: one grouped launch of in-place allreduces, ``AVG`` for fp32/fp64 so no division
+    pass). All chunks are launched back to back; then, chunk by chunk, the current stream waits
+    for the collective (never the host) and fp16/bf16 get their post-division. Nothing is
+    allocated.
     """
-    manager = _coalescing_manager()
-    if manager is None:
-        return flats
-    pre, post = _divisors(flats[0].dtype, world)
-    op = dist.ReduceOp.SUM
-    if _nccl_average(group, flats[0]):
+    pre, post = _divisors(tensors[0].dtype, world)
+    options = dist.AllreduceCoalescedOptions()
+    options.reduceOp = dist.ReduceOp.SUM
+    if _nccl_average(group, tensors[0]):
         # NCCL averages fp32/fp64 inside the collective: no separate division pass over the data.
-        op, pre = dist.ReduceOp.AVG, 1.0
-    pending = getattr(getattr(c10d, "_world", None), "pg_coalesce_state", None)
-    if not isinstance(pending, dict):
-        return flats
-    launched: list[tuple[Any, list[torch.Tensor]]] = []
-    rest: list[torch.Tensor] = []
-    for start, chunk in _coalesced_chunks(flats):
-        if group in pending:  # the caller is coalescing on this group already: do not nest
-            rest = flats[start:]
-            break
-        with contextlib.ExitStack() as stack:
-            try:
-                cm = stack.enter_context(manager(group=group, device=manager_device, async_ops=True))
-            except _SETUP_ERRORS:
-                # A failed start leaves torch's (empty) op list behind; later collectives on the
-                # group would only be recorded into it, so drop it.
-                if pending.get(group) == []:
-                    del pending[group]
-                rest = flats[start:]
-                break
-            # The collectives launch when the manager exits, after the division on this stream.
-            if pre != 1.0:
-                torch._foreach_div_(chunk, pre)
-            for flat in chunk:
-                dist.all_reduce(flat, op=op, group=group)
-        launched.append((cm, chunk))
-    for cm, chunk in launched:
-        cm.wait()  # on CUDA: the current stream waits for the collective, the host does not
+        options.reduceOp, pre = dist.ReduceOp.AVG, 1.0
+    if hasattr(options, "asyncOp"):
+        options.asyncOp = True
+    launched: list[tuple[dist.Work, list[torch.Tensor]]] = []
+    for chunk in _launch_chunks(tensors):
+        if pre != 1.0:
+            torch._foreach_div_(chunk, pre)
+        launched.append((group.allreduce_coalesced(chunk, options), chunk))
+    for work, chunk in launched:
+        work.wait()  # on CUDA: the current stream waits for the collective, the host does not
         if post != 1.0:
             torch._foreach_div_(chunk, post)
-    return rest
 
 
 def _average_group(flats: list[torch.Tensor], group: dist.ProcessGroup, world: int, staging: _Staging) -> None:
@@ -330,18 +324,17 @@ def average_parameters(
 
     ``process_group`` defaults to WORLD; on a rank outside it this changes nothing. Parameters may
     live on several devices and have several dtypes: each ``(device, dtype)`` group is averaged in
-    its own dtype. On a GPU whose backend coalesces collectives (NCCL) the parameters are divided
-    and allreduced in their own storage, up to 64 parameters / 256 MiB per coalesced NCCL group,
-    with no extra memory (``bucket_cap_mb`` is then unused). Elsewhere (gloo, CPU) they go
-    through buckets of at most ``bucket_cap_mb`` MiB of extra memory per device (a parameter
-    larger than a bucket is split across buckets); so do GPU parameters that alias one another,
-    or all of them if torch's private coalescing manager is missing or fails to start. A dense
-    non-contiguous layout (channels-last) is averaged through its memory-order flat view, which is
-    contiguous, on either path. fp32/fp64 are divided by the group size before the ``SUM`` (as
-    torch does; on NCCL in place, ``ReduceOp.AVG`` does it inside the collective); fp16/bf16
-    are divided partly before and partly after it (:func:`dcomm.core.divide_factors`). No device
-    synchronize: on CUDA the current stream waits for each allreduce, so later work on that
-    stream sees the averaged values.
+    its own dtype. GPU parameters on an NCCL group are divided and allreduced in their own storage
+    with no extra memory (``bucket_cap_mb`` is then unused): one grouped NCCL launch per run of up
+    to 256 MiB, and one allreduce for parameters that lie back to back in one storage. Elsewhere
+    (gloo, CPU) they go through buckets of at most ``bucket_cap_mb`` MiB of extra memory per
+    device (a parameter larger than a bucket is split across buckets); so do GPU parameters that
+    alias one another. A dense non-contiguous layout (channels-last) is averaged through its
+    memory-order flat view, which is contiguous, on either path. fp32/fp64 are divided by the group
+    size before the ``SUM`` (as torch does; on NCCL in place, ``ReduceOp.AVG`` does it inside the
+    collective); fp16/bf16 are divided partly before and partly after it
+    (:func:`dcomm.core.divide_factors`). No device synchronize: on CUDA the current stream waits
+    for each allreduce, so later work on that stream sees the averaged values.
 
     Every rank of the group must pass the same parameters in the same order.
 
@@ -360,19 +353,19 @@ def average_parameters(
         if id(param) in seen or param.numel() == 0:
             continue
         seen.add(id(param))
-        flat = _flat_view(param)
-        by_kind.setdefault((flat.device, flat.dtype), []).append(flat)
+        by_kind.setdefault((param.device, param.dtype), []).append(param)
     for device, _ in by_kind:
         _check_device(device, group)
     cap_bytes = bucket_cap_mb * 2**20
     devices = list(dict.fromkeys(device for device, _ in by_kind))
     with torch.no_grad():
         for device in devices:
-            groups = [flats for (d, _), flats in by_kind.items() if d == device]
-            if _averages_in_place(device, group) and not _overlap([f for flats in groups for f in flats]):
-                groups = [rest for flats in groups if (rest := _average_in_place(flats, group, world, device))]
-            if not groups:
+            groups = [[_dense(p) for p in ps] for (d, _), ps in by_kind.items() if d == device]
+            if _averages_in_place(groups[0][0], group) and not _overlap([t for ts in groups for t in ts]):
+                for tensors in groups:
+                    _average_in_place(_merge_adjacent(tensors), group, world)
                 continue
+            groups = [[t if t.dim() == 1 else t.view(-1) for t in ts] for ts in groups]
             staging = _Staging(
                 device,
                 max(sum(f.numel() for f in flats) * flats[0].element_size() for flats in groups),

@@ -131,8 +131,27 @@ def _fast_path_is_literal_pre_sum_post(rank: int, world: int) -> None:
         assert torch.equal(out, expected), (dtype, (out - expected).abs().max())
 
 
+def _plan_worked_out_once_per_group(rank: int, world: int) -> None:
+    """The group size, op and divisors are worked out once per group and dtypes, then reused."""
+    comm = LowPrecisionReduceScatter(torch.float16)
+    pair = dist.new_group([0, 1])  # every rank takes part in creating it
+    groups = (
+        [(pair, [0, 1]), (dist.group.WORLD, list(range(world)))]
+        if rank < 2
+        else [(dist.group.WORLD, list(range(world)))]
+    )
+    for group, members in groups * 2:
+        size = len(members)
+        out = torch.empty(3, dtype=torch.float16)
+        comm(out, torch.full((size * 3,), float(rank + 1), dtype=torch.float16), group)
+        want = sum(r + 1 for r in members) / size
+        assert torch.equal(out, torch.full((3,), want, dtype=torch.float16)), (out, want)
+    assert len(comm._plans) == len(groups), comm._plans
+
+
 def _fully_shard(rank: int, world: int) -> None:
     _fast_path_is_literal_pre_sum_post(rank, world)
+    _plan_worked_out_once_per_group(rank, world)
     net, ref = build()
     exact = exact_mean_grads(ref, world)
     fp32_grads, fp32_params = train(net, rank)

@@ -5,7 +5,7 @@ ever building a flat copy of the model. Parameters are grouped by ``(device, dty
 takes one of two paths:
 
 * **In place, zero extra memory** -- GPU tensors on an NCCL group: every parameter is allreduced
-  in its own storage (fp32/fp64 with NCCL's ``AVG``; fp16/bf16 divided in place with
+  in its own storage (fp32/fp64/bf16 with NCCL's ``AVG``; fp16 divided in place with
   ``torch._foreach_div_`` around a ``SUM``), through the group's coalesced allreduce: one grouped
   NCCL launch per run of parameters, the first run 16 MiB so that the GPU starts at once, later
   runs twice as large up to 256 MiB. Parameters that lie back to back in one storage (a
@@ -20,7 +20,7 @@ takes one of two paths:
 Either way parameters keep their storage (optimizers and views that hold them stay valid) and
 their dtype (a bf16 parameter is averaged in bf16, never promoted), and the arithmetic is the
 same up to the last bit: fp32/fp64 divided by the group size before the sum (or NCCL's ``AVG``),
-fp16/bf16 divided partly before and partly after it.
+fp16/bf16 divided partly before and partly after it (or, bf16 on NCCL, ``AVG``).
 
 Example::
 
@@ -174,12 +174,14 @@ def _averages_in_place(first: torch.Tensor, group: dist.ProcessGroup) -> bool:
     return reduced_by_nccl(group, first)
 
 
-def _nccl_average(group: dist.ProcessGroup, flat: torch.Tensor) -> bool:
-    """Whether ``ReduceOp.AVG`` may average ``flat``: NCCL on a GPU, fp32/fp64 only.
+def _nccl_average(group: dist.ProcessGroup, flat: torch.Tensor, world: int) -> bool:
+    """Whether ``ReduceOp.AVG`` averages ``flat``: NCCL on a GPU, more than one rank, fp32/fp64/bf16.
 
-    Never on gloo (no AVG there), never for fp16/bf16 (their pre/post divide guards the range).
+    bf16 has float32's exponent range, so NCCL's averaging cannot overflow it (torch's FSDP2
+    averages bf16 gradients the same way). Never on gloo (no AVG there), never for fp16, whose
+    narrow range keeps its pre/post division.
     """
-    return flat.dtype in (torch.float32, torch.float64) and reduced_by_nccl(group, flat)
+    return world > 1 and flat.dtype in (torch.float32, torch.float64, torch.bfloat16) and reduced_by_nccl(group, flat)
 
 
 def _end(tensor: torch.Tensor) -> int:
@@ -257,17 +259,17 @@ def _average_in_place(tensors: list[torch.Tensor], group: dist.ProcessGroup, wor
     """Average same-device, same-dtype dense tensors over ``group`` in their own storage.
 
     Chunk by chunk (:func:`_launch_chunks`): divide in place, then one coalesced allreduce of the
-    chunk (NCCL: one grouped launch of in-place allreduces, ``AVG`` for fp32/fp64 so no division
-    pass). All chunks are launched back to back; then, chunk by chunk, the current stream waits
-    for the collective (never the host) and fp16/bf16 get their post-division. Nothing is
+    chunk (NCCL: one grouped launch of in-place allreduces, ``AVG`` for fp32/fp64/bf16 so no
+    division pass). All chunks are launched back to back; then, chunk by chunk, the current stream
+    waits for the collective (never the host) and fp16 gets its post-division. Nothing is
     allocated.
     """
     pre, post = _divisors(tensors[0].dtype, world)
     options = dist.AllreduceCoalescedOptions()
     options.reduceOp = dist.ReduceOp.SUM
-    if _nccl_average(group, tensors[0]):
-        # NCCL averages fp32/fp64 inside the collective: no separate division pass over the data.
-        options.reduceOp, pre = dist.ReduceOp.AVG, 1.0
+    if _nccl_average(group, tensors[0], world):
+        # NCCL averages inside the collective: no separate division pass over the data.
+        options.reduceOp, pre, post = dist.ReduceOp.AVG, 1.0, 1.0
     if hasattr(options, "asyncOp"):
         options.asyncOp = True
     launched: list[tuple[dist.Work, list[torch.Tensor]]] = []
@@ -331,10 +333,10 @@ def average_parameters(
     device (a parameter larger than a bucket is split across buckets); so do GPU parameters that
     alias one another. A dense non-contiguous layout (channels-last) is averaged through its
     memory-order flat view, which is contiguous, on either path. fp32/fp64 are divided by the group
-    size before the ``SUM`` (as torch does; on NCCL in place, ``ReduceOp.AVG`` does it inside the
-    collective); fp16/bf16 are divided partly before and partly after it
-    (:func:`dcomm.core.divide_factors`). No device synchronize: on CUDA the current stream waits
-    for each allreduce, so later work on that stream sees the averaged values.
+    size before the ``SUM`` (as torch does); fp16/bf16 are divided partly before and partly after it
+    (:func:`dcomm.core.divide_factors`); on NCCL in place, ``ReduceOp.AVG`` averages fp32/fp64/bf16
+    inside the collective. No device synchronize: on CUDA the current stream waits for each
+    allreduce, so later work on that stream sees the averaged values.
 
     Every rank of the group must pass the same parameters in the same order.
 

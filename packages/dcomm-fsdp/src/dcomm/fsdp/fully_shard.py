@@ -63,6 +63,10 @@ class _CompletedWork:
         return fut
 
 
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""The single-tensor reduce-scatter (``reduce_scatter_single`` where this torch has it)."""
+
+
 def _check_dtype(dtype: torch.dtype) -> None:
     if dtype not in LOW_PRECISION_DTYPES:
         raise ValueError(
@@ -112,12 +116,13 @@ class LowPrecisionReduceScatter:
         >>> fsdp_module.set_custom_reduce_scatter(LowPrecisionReduceScatter(torch.float16))  # doctest: +SKIP
     """
 
-    __slots__ = ("_warned", "dtype")
+    __slots__ = ("_plans", "_warned", "dtype")
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
         _check_dtype(dtype)
         self.dtype = dtype
         self._warned = False
+        self._plans: dict[tuple[Any, ...], tuple[int, Any, float, float]] = {}
 
     def __repr__(self) -> str:
         return f"LowPrecisionReduceScatter(dtype={self.dtype})"
@@ -131,6 +136,28 @@ class LowPrecisionReduceScatter:
             torch.Size([4])
         """
         return torch.empty(*size, dtype=dtype, device=device)
+
+    def _plan(
+        self, group: dist.ProcessGroup, input_tensor: torch.Tensor, output_tensor: torch.Tensor
+    ) -> tuple[int, Any, float, float]:
+        """``(group size, reduce op or None for the fallback, pre-divide, post-divide)`` for these buffers.
+
+        Worked out once per group, device type and buffer dtypes: FSDP2 calls the reduce-scatter
+        once per module per backward, on its critical path.
+        """
+        world = dist.get_world_size(group)
+        pre, post = divide_factors(world)
+        if input_tensor.dtype != self.dtype or output_tensor.dtype != self.dtype:
+            return world, None, pre, post
+        reduce_op: Any = dist.ReduceOp.SUM
+        if self.dtype == torch.bfloat16:
+            if world > 1 and reduced_by_nccl(group, input_tensor):
+                reduce_op, pre, post = dist.ReduceOp.AVG, 1.0, 1.0  # NCCL divides inside the sum
+            else:
+                pre, post = 1.0, float(world)  # exact: see the class docstring
+        elif pre > 1 and (premul := _nccl_premul_sum(group, input_tensor, 1.0 / pre)) is not None:
+            reduce_op, pre = premul, 1.0
+        return world, reduce_op, pre, post
 
     def __call__(
         self,
@@ -154,26 +181,20 @@ class LowPrecisionReduceScatter:
                 "install it with dcomm.fsdp.use_low_precision_reduction(module), which turns off "
                 "FSDP's own averaging, instead of set_custom_reduce_scatter alone"
             )
-        world = dist.get_world_size(group)
+        key = (group, input_tensor.device.type, input_tensor.dtype, output_tensor.dtype)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(group, input_tensor, output_tensor)
+        world, reduce_op, pre, post = plan
         if input_tensor.numel() != output_tensor.numel() * world:
             raise ValueError(
                 f"input_tensor: expected {output_tensor.numel() * world} elements (output numel "
                 f"{output_tensor.numel()} x group size {world}), got {input_tensor.numel()}"
             )
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        pre, post = divide_factors(world)
-        if input_tensor.dtype == self.dtype and output_tensor.dtype == self.dtype:
-            reduce_op: Any = dist.ReduceOp.SUM
-            if self.dtype == torch.bfloat16:
-                if world > 1 and reduced_by_nccl(group, input_tensor):
-                    reduce_op, pre, post = dist.ReduceOp.AVG, 1.0, 1.0  # NCCL divides inside the sum
-                else:
-                    pre, post = 1.0, float(world)  # exact: see the class docstring
-            elif pre > 1 and (premul := _nccl_premul_sum(group, input_tensor, 1.0 / pre)) is not None:
-                reduce_op, pre = premul, 1.0
+        if reduce_op is not None:  # the fast path: FSDP2 already converted the input to self.dtype
             if pre > 1:
                 input_tensor.div_(pre)
-            reduce_scatter(output_tensor, input_tensor, op=reduce_op, group=group)
+            _REDUCE_SCATTER(output_tensor, input_tensor, op=reduce_op, group=group)
             if post > 1:
                 output_tensor.div_(post)
             return _CompletedWork() if async_op else None
@@ -189,7 +210,7 @@ class LowPrecisionReduceScatter:
             )
         low_input = cast_for_communication(input_tensor, self.dtype, pre)
         low_output = torch.empty_like(output_tensor, dtype=self.dtype)
-        reduce_scatter(low_output, low_input, group=group)
+        _REDUCE_SCATTER(low_output, low_input, group=group)
         copy_back(output_tensor, low_output, post)
         keep_until_stream_done(low_input)
         keep_until_stream_done(low_output)

@@ -45,10 +45,10 @@ def forced_in_place(calls: list[list[torch.Tensor]] | None = None) -> Iterator[N
     """Every device takes the in-place path; ``calls`` gets the tensors of each call."""
     real = impl._average_in_place
 
-    def in_place(tensors: list[torch.Tensor], group: Any, world: int) -> None:
+    def in_place(tensors: list[torch.Tensor], sizes: list[int], group: Any, world: int) -> None:
         if calls is not None:
             calls.append(list(tensors))
-        real(tensors, group, world)
+        real(tensors, sizes, group, world)
 
     with patched(_averages_in_place=lambda first, group: True, _average_in_place=in_place):
         yield
@@ -114,7 +114,7 @@ def _in_place_checks(rank: int, world: int) -> None:
     params = make_params(rank, [((6,), torch.float32, False)] * 4, seed=9)
     before = [p.data_ptr() for p in params]
     with torch.no_grad():
-        impl._average_in_place(list(params), dist.group.WORLD, world)
+        impl._average_in_place(list(params), [p.nbytes for p in params], dist.group.WORLD, world)
     assert [p.data_ptr() for p in params] == before
     assert_averaged(params, exact_mean(everyone, [((6,), torch.float32, False)] * 4, seed=9))
 
@@ -179,44 +179,58 @@ def _sizes(chunks: Iterator[list[torch.Tensor]]) -> list[list[int]]:
     return [[t.numel() for t in chunk] for chunk in chunks]
 
 
+def _chunks(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    return impl._launch_chunks(tensors, [t.nbytes for t in tensors])
+
+
+def _merged(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    merged, sizes = impl._merge_adjacent(tensors, [(t.data_ptr(), t.nbytes) for t in tensors])
+    assert sizes == [t.nbytes for t in merged]
+    return merged
+
+
+def _overlap(tensors: list[torch.Tensor]) -> bool:
+    return impl._overlap([(t.data_ptr(), t.nbytes) for t in tensors])
+
+
 def test_launch_chunks_grow() -> None:
     tensors = [torch.empty(n, dtype=torch.float32) for n in [4, 4, 4, 4, 4, 4, 4, 100, 1, 1]]
     # 16 bytes first (4 fp32), then 32, then 64 (the cap): the 100-element tensor goes alone.
     with patched(_FIRST_CHUNK_BYTES=16, _CHUNK_MAX_BYTES=64, _CHUNK_MAX_TENSORS=64):
-        assert _sizes(impl._launch_chunks(tensors)) == [[4], [4, 4], [4, 4, 4, 4], [100], [1, 1]]
+        assert _sizes(_chunks(tensors)) == [[4], [4, 4], [4, 4, 4, 4], [100], [1, 1]]
     with patched(_FIRST_CHUNK_BYTES=2**30, _CHUNK_MAX_BYTES=2**30, _CHUNK_MAX_TENSORS=3):
-        assert _sizes(impl._launch_chunks(tensors)) == [[4, 4, 4], [4, 4, 4], [4, 100, 1], [1]]
+        assert _sizes(_chunks(tensors)) == [[4, 4, 4], [4, 4, 4], [4, 100, 1], [1]]
     # The defaults: 256 x 4 MiB -> 4, 8, 16, then 64 tensors (256 MiB) per launch.
     big = [torch.empty(1).expand(2**20)] * 256
-    sizes = [len(c) for c in impl._launch_chunks(big)]
+    sizes = [len(c) for c in _chunks(big)]
     assert sizes[:4] == [4, 8, 16, 32]
     assert set(sizes[4:-1]) == {64}
     assert sum(sizes) == 256
-    assert list(impl._launch_chunks([])) == []
+    assert list(_chunks([])) == []
 
 
 def test_merge_adjacent() -> None:
     flat = torch.arange(20.0)
     pieces = [flat[0:6].view(2, 3), flat[6:10], flat[10:20]]
-    (merged,) = impl._merge_adjacent(pieces)
+    (merged,) = _merged(pieces)
     assert merged.data_ptr() == flat.data_ptr()
     assert merged.shape == (20,)
     merged.add_(1)  # a view, not a copy
     assert flat[0].item() == 1
     backwards = pieces[::-1]  # out of order: nothing joined
-    assert all(a is b for a, b in zip(impl._merge_adjacent(backwards), backwards, strict=True))
+    assert all(a is b for a, b in zip(_merged(backwards), backwards, strict=True))
     apart = [flat[0:5], flat[6:10], flat[10:20]]
-    out = impl._merge_adjacent(apart)
+    out = _merged(apart)
     assert [t.numel() for t in out] == [5, 14]
     assert out[0] is apart[0]
     separate = [torch.zeros(3), torch.zeros(3)]
-    assert all(a is b for a, b in zip(impl._merge_adjacent(separate), separate, strict=True))
+    assert all(a is b for a, b in zip(_merged(separate), separate, strict=True))
 
 
 def test_overlap() -> None:
     flat = torch.zeros(20)
-    assert not impl._overlap([flat[0:10], flat[10:20], torch.zeros(3)])  # a flattened model
-    assert impl._overlap([flat[0:10], flat[9:20]])
-    assert impl._overlap([flat[0:20], flat[2:3], flat[15:16]])
-    assert impl._overlap([flat.view(4, 5)[1].view(-1), flat.view(-1)])
-    assert not impl._overlap([torch.zeros(5), torch.zeros(5)])
+    assert not _overlap([flat[0:10], flat[10:20], torch.zeros(3)])  # a flattened model
+    assert _overlap([flat[0:10], flat[9:20]])
+    assert _overlap([flat[0:20], flat[2:3], flat[15:16]])
+    assert _overlap([flat.view(4, 5)[1].view(-1), flat.view(-1)])
+    assert not _overlap([torch.zeros(5), torch.zeros(5)])

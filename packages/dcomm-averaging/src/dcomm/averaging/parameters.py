@@ -184,19 +184,15 @@ def _nccl_average(group: dist.ProcessGroup, flat: torch.Tensor, world: int) -> b
     return world > 1 and flat.dtype in (torch.float32, torch.float64, torch.bfloat16) and reduced_by_nccl(group, flat)
 
 
-def _end(tensor: torch.Tensor) -> int:
-    return tensor.data_ptr() + tensor.numel() * tensor.element_size()
-
-
-def _overlap(tensors: list[torch.Tensor]) -> bool:
-    """Whether two of ``tensors`` (dense) share bytes: distinct parameters aliasing one another.
+def _overlap(spans: list[tuple[int, int]]) -> bool:
+    """Whether two of the ``(address, bytes)`` spans of dense parameters share bytes (aliasing).
 
     In place, shared bytes would be divided twice; the bucket path copies each parameter out and
     back, which stays right. Disjoint views of one buffer (a flattened model) do not overlap.
     Different storages never share addresses, so comparing address ranges is enough.
     """
-    spans = sorted((t.data_ptr(), _end(t)) for t in tensors)
-    return any(b[0] < a[1] for a, b in itertools.pairwise(spans))
+    ordered = sorted(spans)
+    return any(b[0] < a[0] + a[1] for a, b in itertools.pairwise(ordered))
 
 
 def _dense(param: torch.Tensor) -> torch.Tensor:
@@ -204,25 +200,33 @@ def _dense(param: torch.Tensor) -> torch.Tensor:
     return param if param.is_contiguous() else _flat_view(param)
 
 
-def _merge_adjacent(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def _merge_adjacent(tensors: list[torch.Tensor], spans: list[tuple[int, int]]) -> tuple[list[torch.Tensor], list[int]]:
     """Join consecutive dense tensors that lie back to back in one storage into one 1-D view.
 
-    Parameters carved out of one flat buffer (a flattened model) then cost one allreduce, which
-    runs at the full bandwidth of a raw allreduce of the same bytes, instead of one each.
+    ``spans`` are the tensors' ``(address, bytes)``. Returns the tensors to reduce and their
+    bytes. Parameters carved out of one flat buffer (a flattened model) then cost one allreduce,
+    at the full bandwidth of a raw allreduce of the same bytes, instead of one each.
     """
     merged: list[torch.Tensor] = []
+    sizes: list[int] = []
     run: list[torch.Tensor] = []
-    for tensor in tensors:
-        if run and not (
-            tensor.data_ptr() == _end(run[-1])
-            and tensor.untyped_storage().data_ptr() == run[-1].untyped_storage().data_ptr()
-        ):
+    run_bytes = run_end = 0
+    for tensor, (address, nbytes) in zip(tensors, spans, strict=True):
+        if run and not (address == run_end and _same_storage(run[-1], tensor)):
             merged.append(_span(run))
-            run = []
+            sizes.append(run_bytes)
+            run, run_bytes = [], 0
         run.append(tensor)
+        run_bytes += nbytes
+        run_end = address + nbytes
     if run:
         merged.append(_span(run))
-    return merged
+        sizes.append(run_bytes)
+    return merged, sizes
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _span(run: list[torch.Tensor]) -> torch.Tensor:
@@ -234,8 +238,8 @@ def _span(run: list[torch.Tensor]) -> torch.Tensor:
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,))
 
 
-def _launch_chunks(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-    """Runs of ``tensors`` for one grouped launch each, growing from 16 MiB to 256 MiB.
+def _launch_chunks(tensors: list[torch.Tensor], sizes: list[int]) -> Iterator[list[torch.Tensor]]:
+    """Runs of ``tensors`` (of ``sizes`` bytes) for one grouped launch each, growing from 16 to 256 MiB.
 
     The first run is small so that the GPU starts communicating while the host issues the next;
     each later run may hold twice the bytes of the one before, up to 256 MiB or 64 tensors (a
@@ -243,20 +247,19 @@ def _launch_chunks(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
     """
     limit = _FIRST_CHUNK_BYTES
     chunk: list[torch.Tensor] = []
-    size = 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if chunk and (len(chunk) == _CHUNK_MAX_TENSORS or size + nbytes > limit):
+    total = 0
+    for tensor, nbytes in zip(tensors, sizes, strict=True):
+        if chunk and (len(chunk) == _CHUNK_MAX_TENSORS or total + nbytes > limit):
             yield chunk
-            chunk, size, limit = [], 0, min(2 * limit, _CHUNK_MAX_BYTES)
+            chunk, total, limit = [], 0, min(2 * limit, _CHUNK_MAX_BYTES)
         chunk.append(tensor)
-        size += nbytes
+        total += nbytes
     if chunk:
         yield chunk
 
 
-def _average_in_place(tensors: list[torch.Tensor], group: dist.ProcessGroup, world: int) -> None:
-    """Average same-device, same-dtype dense tensors over ``group`` in their own storage.
+def _average_in_place(tensors: list[torch.Tensor], sizes: list[int], group: dist.ProcessGroup, world: int) -> None:
+    """Average same-device, same-dtype dense tensors (of ``sizes`` bytes) over ``group`` in their storage.
 
     Chunk by chunk (:func:`_launch_chunks`): divide in place, then one coalesced allreduce of the
     chunk (NCCL: one grouped launch of in-place allreduces, ``AVG`` for fp32/fp64/bf16 so no
@@ -273,7 +276,7 @@ def _average_in_place(tensors: list[torch.Tensor], group: dist.ProcessGroup, wor
     if hasattr(options, "asyncOp"):
         options.asyncOp = True
     launched: list[tuple[dist.Work, list[torch.Tensor]]] = []
-    for chunk in _launch_chunks(tensors):
+    for chunk in _launch_chunks(tensors, sizes):
         if pre != 1.0:
             torch._foreach_div_(chunk, pre)
         launched.append((group.allreduce_coalesced(chunk, options), chunk))
@@ -363,10 +366,13 @@ def average_parameters(
     with torch.no_grad():
         for device in devices:
             groups = [[_dense(p) for p in ps] for (d, _), ps in by_kind.items() if d == device]
-            if _averages_in_place(groups[0][0], group) and not _overlap([t for ts in groups for t in ts]):
-                for tensors in groups:
-                    _average_in_place(_merge_adjacent(tensors), group, world)
-                continue
+            if _averages_in_place(groups[0][0], group):
+                spans = [[(t.data_ptr(), t.nbytes) for t in ts] for ts in groups]
+                if not _overlap([span for group_spans in spans for span in group_spans]):
+                    for tensors, group_spans in zip(groups, spans, strict=True):
+                        merged, sizes = _merge_adjacent(tensors, group_spans)
+                        _average_in_place(merged, sizes, group, world)
+                    continue
             groups = [[t if t.dim() == 1 else t.view(-1) for t in ts] for ts in groups]
             staging = _Staging(
                 device,

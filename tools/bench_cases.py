@@ -194,7 +194,7 @@ def bus_bandwidth_gbps(nbytes: int, world: int, outcome: Outcome | None) -> floa
     return nbytes * 2 * (world - 1) / world / outcome.median_s / 1e9
 
 
-AVERAGING_CALLS_PER_SAMPLE = 4
+AVERAGING_CALLS_PER_SAMPLE = 10
 """Back-to-back calls per timed sample of the averaging case: its throughput, not one call's latency."""
 
 

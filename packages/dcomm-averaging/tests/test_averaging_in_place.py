@@ -45,10 +45,10 @@ def forced_in_place(calls: list[list[torch.Tensor]] | None = None) -> Iterator[N
     """Every device takes the in-place path; ``calls`` gets the tensors of each call."""
     real = impl._average_in_place
 
-    def in_place(tensors: list[torch.Tensor], sizes: list[int], group: Any, world: int) -> None:
+    def in_place(tensors: list[torch.Tensor], group: Any, world: int) -> None:
         if calls is not None:
             calls.append(list(tensors))
-        real(tensors, sizes, group, world)
+        real(tensors, group, world)
 
     with patched(_averages_in_place=lambda first, group: True, _average_in_place=in_place):
         yield
@@ -63,12 +63,7 @@ def _in_place_checks(rank: int, world: int) -> None:
 
     # Mixed dtypes and a channels-last layout, in place, against the float64 mean: no parameter
     # moved, not one byte allocated (no bucket, no flat copy), whatever the launch sizes.
-    limits_list: list[dict[str, int]] = [
-        {},
-        {"_CHUNK_MAX_TENSORS": 3},
-        {"_FIRST_CHUNK_BYTES": 16, "_CHUNK_MAX_BYTES": 64},
-    ]
-    for limits in limits_list:
+    for limits in [{}, {"_LAUNCH_MAX_TENSORS": 3}, {"_LAUNCH_MAX_TENSORS": 1}]:
         for specs, seed in [(SPECS, 0), (MANY, 1)]:
             params = make_params(rank, specs, seed)
             before = _pointers(params)
@@ -114,7 +109,7 @@ def _in_place_checks(rank: int, world: int) -> None:
     params = make_params(rank, [((6,), torch.float32, False)] * 4, seed=9)
     before = [p.data_ptr() for p in params]
     with torch.no_grad():
-        impl._average_in_place(list(params), [p.nbytes for p in params], dist.group.WORLD, world)
+        impl._average_in_place(list(params), dist.group.WORLD, world)
     assert [p.data_ptr() for p in params] == before
     assert_averaged(params, exact_mean(everyone, [((6,), torch.float32, False)] * 4, seed=9))
 
@@ -179,34 +174,40 @@ def _sizes(chunks: Iterator[list[torch.Tensor]]) -> list[list[int]]:
     return [[t.numel() for t in chunk] for chunk in chunks]
 
 
-def _chunks(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-    return impl._launch_chunks(tensors, [t.nbytes for t in tensors])
-
-
 def _merged(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    merged, sizes = impl._merge_adjacent(tensors, [(t.data_ptr(), t.nbytes) for t in tensors])
-    assert sizes == [t.nbytes for t in merged]
-    return merged
+    return impl._merge_adjacent(tensors, [(t.data_ptr(), t.nbytes) for t in tensors])
 
 
 def _overlap(tensors: list[torch.Tensor]) -> bool:
     return impl._overlap([(t.data_ptr(), t.nbytes) for t in tensors])
 
 
-def test_launch_chunks_grow() -> None:
-    tensors = [torch.empty(n, dtype=torch.float32) for n in [4, 4, 4, 4, 4, 4, 4, 100, 1, 1]]
-    # 16 bytes first (4 fp32), then 32, then 64 (the cap): the 100-element tensor goes alone.
-    with patched(_FIRST_CHUNK_BYTES=16, _CHUNK_MAX_BYTES=64, _CHUNK_MAX_TENSORS=64):
-        assert _sizes(_chunks(tensors)) == [[4], [4, 4], [4, 4, 4, 4], [100], [1, 1]]
-    with patched(_FIRST_CHUNK_BYTES=2**30, _CHUNK_MAX_BYTES=2**30, _CHUNK_MAX_TENSORS=3):
-        assert _sizes(_chunks(tensors)) == [[4, 4, 4], [4, 4, 4], [4, 100, 1], [1]]
-    # The defaults: 256 x 4 MiB -> 4, 8, 16, then 64 tensors (256 MiB) per launch.
-    big = [torch.empty(1).expand(2**20)] * 256
-    sizes = [len(c) for c in _chunks(big)]
-    assert sizes[:4] == [4, 8, 16, 32]
-    assert set(sizes[4:-1]) == {64}
-    assert sum(sizes) == 256
-    assert list(_chunks([])) == []
+def _launches_checks(rank: int, world: int) -> None:
+    """One coalesced allreduce per 1024 tensors (fewer, larger NCCL launches are faster)."""
+    launches: list[int] = []
+    group = dist.group.WORLD
+    real = type(group).allreduce_coalesced
+
+    def counting(self: Any, tensors: list[torch.Tensor], options: Any) -> Any:
+        launches.append(len(tensors))
+        return real(self, tensors, options)
+
+    specs = [((2,), torch.float32, False)] * 7
+    for limit, expected in [(1024, [7]), (3, [3, 3, 1])]:
+        launches.clear()
+        params = make_params(rank, specs, seed=11)
+        type(group).allreduce_coalesced = counting  # type: ignore[method-assign]
+        try:
+            with patched(_LAUNCH_MAX_TENSORS=limit), forced_in_place():
+                average_parameters(params, None)
+        finally:
+            type(group).allreduce_coalesced = real  # type: ignore[method-assign]
+        assert launches == expected
+        assert_averaged(params, exact_mean(list(range(world)), specs, seed=11))
+
+
+def test_launches() -> None:
+    run_ranks(_launches_checks, 2)
 
 
 def test_merge_adjacent() -> None:

@@ -7,8 +7,7 @@ takes one of two paths:
 * **In place, zero extra memory** -- GPU tensors on an NCCL group: every parameter is allreduced
   in its own storage (fp32/fp64/bf16 with NCCL's ``AVG``; fp16 divided in place with
   ``torch._foreach_div_`` around a ``SUM``), through the group's coalesced allreduce: one grouped
-  NCCL launch per run of parameters, the first run 16 MiB so that the GPU starts at once, later
-  runs twice as large up to 256 MiB. Parameters that lie back to back in one storage (a
+  NCCL launch for up to 1024 parameters. Parameters that lie back to back in one storage (a
   flattened model) are one allreduce. Nothing is packed, copied or allocated.
 * **Buckets, at most ``bucket_cap_mb`` extra** -- everywhere else (gloo and CPU parameters, or
   GPU parameters that alias one another): parameters are streamed through a bounded staging
@@ -51,14 +50,8 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-_FIRST_CHUNK_BYTES = 16 * 2**20
-"""Bytes of the first grouped launch of the in-place path (later ones double, up to the max)."""
-
-_CHUNK_MAX_BYTES = 256 * 2**20
-"""At most this many bytes per grouped launch (a larger tensor is a launch of its own)."""
-
-_CHUNK_MAX_TENSORS = 64
-"""At most this many tensors per grouped launch."""
+_LAUNCH_MAX_TENSORS = 1024
+"""At most this many tensors per grouped NCCL launch of the in-place path (one launch is fastest)."""
 
 
 class _Segment(NamedTuple):
@@ -200,29 +193,25 @@ def _dense(param: torch.Tensor) -> torch.Tensor:
     return param if param.is_contiguous() else _flat_view(param)
 
 
-def _merge_adjacent(tensors: list[torch.Tensor], spans: list[tuple[int, int]]) -> tuple[list[torch.Tensor], list[int]]:
+def _merge_adjacent(tensors: list[torch.Tensor], spans: list[tuple[int, int]]) -> list[torch.Tensor]:
     """Join consecutive dense tensors that lie back to back in one storage into one 1-D view.
 
-    ``spans`` are the tensors' ``(address, bytes)``. Returns the tensors to reduce and their
-    bytes. Parameters carved out of one flat buffer (a flattened model) then cost one allreduce,
-    at the full bandwidth of a raw allreduce of the same bytes, instead of one each.
+    ``spans`` are the tensors' ``(address, bytes)``. Parameters carved out of one flat buffer (a
+    flattened model) then cost one allreduce, at the full bandwidth of a raw allreduce of the
+    same bytes, instead of one each.
     """
     merged: list[torch.Tensor] = []
-    sizes: list[int] = []
     run: list[torch.Tensor] = []
-    run_bytes = run_end = 0
+    run_end = 0
     for tensor, (address, nbytes) in zip(tensors, spans, strict=True):
         if run and not (address == run_end and _same_storage(run[-1], tensor)):
             merged.append(_span(run))
-            sizes.append(run_bytes)
-            run, run_bytes = [], 0
+            run = []
         run.append(tensor)
-        run_bytes += nbytes
         run_end = address + nbytes
     if run:
         merged.append(_span(run))
-        sizes.append(run_bytes)
-    return merged, sizes
+    return merged
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -238,34 +227,14 @@ def _span(run: list[torch.Tensor]) -> torch.Tensor:
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,))
 
 
-def _launch_chunks(tensors: list[torch.Tensor], sizes: list[int]) -> Iterator[list[torch.Tensor]]:
-    """Runs of ``tensors`` (of ``sizes`` bytes) for one grouped launch each, growing from 16 to 256 MiB.
+def _average_in_place(tensors: list[torch.Tensor], group: dist.ProcessGroup, world: int) -> None:
+    """Average same-device, same-dtype dense tensors over ``group`` in their own storage.
 
-    The first run is small so that the GPU starts communicating while the host issues the next;
-    each later run may hold twice the bytes of the one before, up to 256 MiB or 64 tensors (a
-    larger tensor is a run of its own).
-    """
-    limit = _FIRST_CHUNK_BYTES
-    chunk: list[torch.Tensor] = []
-    total = 0
-    for tensor, nbytes in zip(tensors, sizes, strict=True):
-        if chunk and (len(chunk) == _CHUNK_MAX_TENSORS or total + nbytes > limit):
-            yield chunk
-            chunk, total, limit = [], 0, min(2 * limit, _CHUNK_MAX_BYTES)
-        chunk.append(tensor)
-        total += nbytes
-    if chunk:
-        yield chunk
-
-
-def _average_in_place(tensors: list[torch.Tensor], sizes: list[int], group: dist.ProcessGroup, world: int) -> None:
-    """Average same-device, same-dtype dense tensors (of ``sizes`` bytes) over ``group`` in their storage.
-
-    Chunk by chunk (:func:`_launch_chunks`): divide in place, then one coalesced allreduce of the
-    chunk (NCCL: one grouped launch of in-place allreduces, ``AVG`` for fp32/fp64/bf16 so no
-    division pass). All chunks are launched back to back; then, chunk by chunk, the current stream
-    waits for the collective (never the host) and fp16 gets its post-division. Nothing is
-    allocated.
+    Divide in place, then one coalesced allreduce of all of them (NCCL: one grouped launch of
+    in-place allreduces, at most 1024 per launch; ``AVG`` for fp32/fp64/bf16, so no division
+    pass). One launch beats several smaller ones: NCCL spreads the grouped allreduces over its
+    channels and reaches the bandwidth of one flat message. Then the current stream (never the
+    host) waits for each launch, and fp16 gets its post-division. Nothing is allocated.
     """
     pre, post = _divisors(tensors[0].dtype, world)
     options = dist.AllreduceCoalescedOptions()
@@ -276,7 +245,8 @@ def _average_in_place(tensors: list[torch.Tensor], sizes: list[int], group: dist
     if hasattr(options, "asyncOp"):
         options.asyncOp = True
     launched: list[tuple[dist.Work, list[torch.Tensor]]] = []
-    for chunk in _launch_chunks(tensors, sizes):
+    for start in range(0, len(tensors), _LAUNCH_MAX_TENSORS):
+        chunk = tensors[start : start + _LAUNCH_MAX_TENSORS]
         if pre != 1.0:
             torch._foreach_div_(chunk, pre)
         launched.append((group.allreduce_coalesced(chunk, options), chunk))
@@ -330,8 +300,8 @@ def average_parameters(
     ``process_group`` defaults to WORLD; on a rank outside it this changes nothing. Parameters may
     live on several devices and have several dtypes: each ``(device, dtype)`` group is averaged in
     its own dtype. GPU parameters on an NCCL group are divided and allreduced in their own storage
-    with no extra memory (``bucket_cap_mb`` is then unused): one grouped NCCL launch per run of up
-    to 256 MiB, and one allreduce for parameters that lie back to back in one storage. Elsewhere
+    with no extra memory (``bucket_cap_mb`` is then unused): one grouped NCCL launch for up to 1024
+    parameters, and one allreduce for parameters that lie back to back in one storage. Elsewhere
     (gloo, CPU) they go through buckets of at most ``bucket_cap_mb`` MiB of extra memory per
     device (a parameter larger than a bucket is split across buckets); so do GPU parameters that
     alias one another. A dense non-contiguous layout (channels-last) is averaged through its
@@ -370,8 +340,7 @@ def average_parameters(
                 spans = [[(t.data_ptr(), t.nbytes) for t in ts] for ts in groups]
                 if not _overlap([span for group_spans in spans for span in group_spans]):
                     for tensors, group_spans in zip(groups, spans, strict=True):
-                        merged, sizes = _merge_adjacent(tensors, group_spans)
-                        _average_in_place(merged, sizes, group, world)
+                        _average_in_place(_merge_adjacent(tensors, group_spans), group, world)
                     continue
             groups = [[t if t.dim() == 1 else t.view(-1) for t in ts] for ts in groups]
             staging = _Staging(

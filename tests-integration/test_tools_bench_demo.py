@@ -119,3 +119,18 @@ def test_bench_writes_every_case_on_two_gloo_ranks(tmp_path: pathlib.Path) -> No
             assert row["ratio_dcomm_torch"] is None, name
     # torch's ZeRO overlap refuses gloo: the benchmark reports that and carries on.
     assert "Gloo" in rows["zero/step"]["torch"]["error"]
+
+
+@pytest.mark.slow
+def test_fully_shard_ab_on_two_gloo_ranks() -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += [str(TOOLS / "ab_fully_shard.py"), "--rounds", "3", "--steps", "1", "--profile"]
+    proc = _run(command, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    for variant in ("default fp32", "torch fp16", "dcomm fp16", "torch bf16", "dcomm bf16"):
+        assert any(line.startswith(f"{variant} ") and "ms per step" in line for line in lines), variant
+    for dtype in ("fp16", "bf16"):
+        (summary,) = [line for line in lines if line.startswith(f"{dtype}: dcomm/torch per-round median")]
+        assert "faster in" in summary, summary
+        assert summary.endswith("/3 rounds"), summary

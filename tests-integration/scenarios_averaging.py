@@ -158,9 +158,9 @@ def scenario_averaging_lean_mixed_dtypes(rank: int, world_size: int) -> None:
 
 @scenario(min_world_size=2)
 def scenario_averaging_in_place_coalesced(rank: int, world_size: int) -> None:
-    """NCCL: every parameter averaged in its own storage through grouped launches, zero extra bytes.
+    """NCCL: every parameter averaged in its own storage by one grouped launch, zero extra bytes.
 
-    150 fp32 parameters (three launches of at most 64), bf16 ones (pre/post division) and a
+    150 fp32 parameters (one grouped launch), bf16 ones (NCCL AVG on NCCL) and a
     channels-last one, against the float64 mean and torch's ``average_parameters``; then a
     flattened model (parameters carved back to back out of one buffer), which is one allreduce.
     Under gloo the same calls take the bucket path and must give the same answers.

@@ -53,7 +53,7 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _LAUNCH_MAX_TENSORS = 1024
 """At most this many tensors per grouped NCCL launch of the in-place path (one launch is fastest).
 
-Half the 2048 operations per group that NCCL releases before 2.12 allow (later ones have no limit).
+Half the 2048 operations per group that NCCL documents as its limit (up to 2.11 at least).
 """
 
 

@@ -314,7 +314,8 @@ def average_parameters(
     inside the collective. No device synchronize: on CUDA the current stream waits for each
     allreduce, so later work on that stream sees the averaged values.
 
-    Every rank of the group must pass the same parameters in the same order.
+    Every rank of the group must pass the same parameters in the same order, laid out alike (views
+    of one buffer on one rank are views of one buffer on every rank, as the same model code gives).
 
     Example::
 

@@ -26,7 +26,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -79,6 +79,22 @@ def _net() -> nn.Sequential:
     return nn.Sequential(nn.Linear(16, 33), nn.Tanh(), nn.Linear(33, 4))  # 561 + 136 numel: padded
 
 
+def _sgd_train(
+    model: nn.Module, whole: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Train ``model`` for STEPS SGD steps: (first-step gradients, final parameters), each ``whole(t)``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    grads: list[torch.Tensor] = []
+    for step in range(STEPS):
+        x, y = _batch(dist.get_rank(), step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if step == 0:
+            grads = [whole(p.grad) for p in model.parameters()]
+        opt.step()
+    return grads, [whole(p) for p in model.parameters()]
+
+
 def _train_fsdp(strategy: ShardingStrategy, state: object, hook: object) -> tuple[list[torch.Tensor], ...]:
     net = _net().to(device())
     net[0] = FSDP(net[0], sharding_strategy=strategy, device_id=device())
@@ -87,16 +103,8 @@ def _train_fsdp(strategy: ShardingStrategy, state: object, hook: object) -> tupl
         register_comm_hook(model, state, hook)  # type: ignore[arg-type]
     else:
         model.register_comm_hook(state, hook)  # type: ignore[arg-type]
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    grads: list[torch.Tensor] = []
-    for step in range(STEPS):
-        x, y = _batch(dist.get_rank(), step)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        if step == 0:
-            grads = [p.grad.detach().clone() for p in model.parameters()]
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()], grads
+    grads, params = _sgd_train(model, lambda t: t.detach().clone())
+    return params, grads
 
 
 def _close(ours: list[torch.Tensor], ref: list[torch.Tensor], tol: float, what: str) -> None:
@@ -158,18 +166,10 @@ def _train_fully_shard(
 
     LowPrecisionReduceScatter.__call__ = spy  # type: ignore[method-assign]
     try:
-        opt = torch.optim.SGD(net.parameters(), lr=0.05)
-        grads: list[torch.Tensor] = []
-        for step in range(STEPS):
-            x, y = _batch(dist.get_rank(), step)
-            opt.zero_grad()
-            nn.functional.mse_loss(net(x), y).backward()
-            if step == 0:
-                grads = [p.grad.full_tensor() for p in net.parameters()]
-            opt.step()
+        grads, params = _sgd_train(net, lambda t: t.detach().full_tensor())
     finally:
         LowPrecisionReduceScatter.__call__ = real_call  # type: ignore[method-assign]
-    return grads, [p.detach().full_tensor() for p in net.parameters()], calls
+    return grads, params, calls
 
 
 @scenario(min_world_size=2)

@@ -90,7 +90,8 @@ def gpu_time_by_kind(step: Step, steps: int = 3) -> dict[str, float]:
     for event in prof.key_averages():
         micros = getattr(event, "self_device_time_total", 0) or 0
         if micros > 0:
-            kinds[kernel_kind(event.key)] = kinds.get(kernel_kind(event.key), 0.0) + micros / steps
+            kind = kernel_kind(event.key)
+            kinds[kind] = kinds.get(kind, 0.0) + micros / steps
     return kinds
 
 

@@ -138,9 +138,8 @@ def loss_of(output: torch.Tensor) -> torch.Tensor:
     return output.float().square().mean()
 
 
-def sgd_step(model: nn.Module, sizes: Sizes, bench: Bench) -> Step:
-    """One SGD training step of ``model`` on a fixed batch (gradients zeroed in place)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, sizes: Sizes, bench: Bench) -> Step:
+    """One training step of ``model`` with ``optimizer`` on a fixed batch (gradients zeroed in place)."""
     batch = make_batch(sizes, bench.device)
 
     def step() -> None:
@@ -149,6 +148,11 @@ def sgd_step(model: nn.Module, sizes: Sizes, bench: Bench) -> Step:
         optimizer.step()
 
     return step
+
+
+def sgd_step(model: nn.Module, sizes: Sizes, bench: Bench) -> Step:
+    """One SGD training step of ``model`` on a fixed batch."""
+    return training_step(model, torch.optim.SGD(model.parameters(), lr=LR), sizes, bench)
 
 
 def make_ddp(module: nn.Module, bench: Bench) -> nn.parallel.DistributedDataParallel:
@@ -249,14 +253,13 @@ def build_ddp_step(bench: Bench, sizes: Sizes, hook: tuple[str, str] | None, no_
     if hook is not None:
         ddp.register_comm_hook(None, ddp_hook(*hook))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
+    if not no_sync:
+        return training_step(ddp, optimizer, sizes, bench)
     batch = make_batch(sizes, bench.device)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=False)
-        if no_sync:
-            with ddp.no_sync():
-                loss_of(ddp(batch)).backward()
-        else:
+        with ddp.no_sync():
             loss_of(ddp(batch)).backward()
         optimizer.step()
 
@@ -338,14 +341,7 @@ def build_post_local_sgd_step(bench: Bench, sizes: Sizes, impl: str, averaging: 
             period_group_size_dict=hierarchy(bench.world), warmup_steps=START_LOCAL_SGD_ITER
         )
     optimizer = PostLocalSGDOptimizer(optim=torch.optim.SGD(ddp.parameters(), lr=LR), averager=averager)
-    batch = make_batch(sizes, bench.device)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=False)
-        loss_of(ddp(batch)).backward()
-        optimizer.step()
-
-    return step
+    return training_step(ddp, optimizer, sizes, bench)
 
 
 def case_post_local_sgd(bench: Bench, sizes: Sizes) -> list[Row]:

@@ -206,6 +206,55 @@ def test_steady_state_overflow_and_errors() -> None:
     run_ranks(_steady_state_and_errors, 2)
 
 
+def _reducer_and_python_callers(rank: int, world: int) -> None:
+    import dcomm.ddp.default_hooks as default_hooks
+
+    cast_backs = []
+    original = default_hooks.copy_back
+
+    def counting_copy_back(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        cast_backs.append(src.dtype)
+        return original(dst, src)
+
+    default_hooks.copy_back = counting_copy_back
+    results: list[tuple[torch.dtype, bool]] = []
+
+    def wrapper(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        def check(fut: torch.futures.Future) -> torch.Tensor:
+            value = fut.value()
+            results.append((value.dtype, torch.equal(value, bucket.buffer())))
+            return value
+
+        return bf16_compress_hook(process_group, bucket).then(check)
+
+    grads = {}
+    for name, hook in (("reducer", bf16_compress_hook), ("python", wrapper)):
+        net = make_model(torch.float32)
+        ddp = DDP(net, bucket_cap_mb_list=BUCKET_CAPS)
+        ddp.register_comm_hook(None, hook)
+        for step in range(3):
+            net.zero_grad()
+            ddp(batch(rank, step, torch.float32)).pow(2).sum().backward()
+        grads[name] = [p.grad.clone() for p in net.parameters()]
+        if name == "reducer":
+            # DDP's reducer gets the bf16 sum and casts it while unpacking the bucket: no cast back.
+            assert cast_backs == [], cast_backs
+    # Called from Python, the hook keeps torch's contract: the bucket holds the average, in fp32.
+    assert cast_backs, cast_backs
+    assert set(cast_backs) == {torch.bfloat16}, cast_backs
+    assert results, results
+    assert all(dtype == torch.float32 and same for dtype, same in results), results
+    # Both ways give the same gradients, bit for bit (the same bf16 sum cast to fp32).
+    for a, b in zip(grads["reducer"], grads["python"], strict=True):
+        assert torch.equal(a, b), (a - b).abs().max()
+    assert_same_on_ranks(grads["reducer"], None, "bf16 gradients")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reducer_gets_low_precision_sum_python_callers_get_the_bucket(world: int) -> None:
+    run_ranks(_reducer_and_python_callers, world)
+
+
 @pytest.mark.parametrize("name", ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"])
 def test_signature_matches_torch(name: str) -> None:
     ours, theirs = inspect.signature(getattr(dcomm.ddp, name)), inspect.signature(getattr(torch_hooks, name))

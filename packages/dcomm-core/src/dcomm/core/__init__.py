@@ -14,6 +14,7 @@ from dcomm.core.collectives import (
     reduce_scatter_future,
     reduced_by_nccl,
     resolve_group,
+    start_allreduce,
 )
 from dcomm.core.divide_factors import divide_factors
 from dcomm.core.groups import intra_node_subgroups, local_world_size, subgroups_of_size
@@ -41,5 +42,6 @@ __all__ = [
     "reduce_scatter_future",
     "reduced_by_nccl",
     "resolve_group",
+    "start_allreduce",
     "subgroups_of_size",
 ]

@@ -6,11 +6,17 @@ the process group to average over (``None`` for WORLD).
 
 - :func:`allreduce_hook` gives bit-identical results to torch's: the bucket is divided by the group
   size, then summed.
-- :func:`fp16_compress_hook` and :func:`bf16_compress_hook` cast and divide in one kernel, sum the
-  low-precision copy, and cast the sum back into the bucket in one kernel. The low-precision copy
-  of each bucket is allocated once and reused on the next step, so a steady-state step adds two
-  kernels and no allocation. ``bf16_compress_hook`` also runs on gloo (CPU), where torch's refuses
-  to register.
+- :func:`fp16_compress_hook` and :func:`bf16_compress_hook` cast and divide in one kernel and sum
+  the low-precision copy. When DDP's reducer calls them directly, the future holds that
+  low-precision sum: the reducer casts it back while it copies the bucket into the gradients, a
+  copy it makes anyway, so the hook adds one kernel and no callback work. Called from Python (a
+  wrapper such as ZeRO overlap), they keep torch's contract and cast the sum back into the bucket.
+  The low-precision copy of each bucket is allocated once and reused. ``bf16_compress_hook`` also
+  runs on gloo (CPU), where torch's refuses to register.
+
+Every hook launches its collective on the process group directly (no ``dist.all_reduce``
+wrapper): a hook runs once per bucket on the autograd thread, and its host time delays the
+kernels of the rest of the backward pass.
 
 Example::
 
@@ -21,10 +27,13 @@ Example::
 # No ``from __future__ import annotations``: DDP compares the hooks' annotations with the real
 # ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` objects, not with strings.
 
+import sys
+from types import FrameType
+
 import torch
 import torch.distributed as dist
 
-from dcomm.core import allreduce_future, copy_back, resolve_group
+from dcomm.core import allreduce_future, copy_back, resolve_group, start_allreduce
 
 __all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
 
@@ -62,6 +71,33 @@ def _low_precision_copy(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     return low
 
 
+def _called_by_reducer(caller: FrameType | None) -> bool:
+    """Whether the hook's caller is DDP's C++ reducer rather than Python code.
+
+    The reducer calls a hook from the autograd engine: on a CUDA device thread there is no Python
+    frame above the hook, and on CPU the only one is autograd's engine entry point. Any other
+    caller (a wrapping hook) may read ``bucket.buffer()`` and gets torch's contract.
+    """
+    if caller is None:
+        return True
+    return caller.f_code.co_name == "_engine_run_backward" and str(caller.f_globals.get("__name__")).startswith(
+        "torch.autograd"
+    )
+
+
+def _caller_of_hook() -> FrameType | None:
+    """The frame that called the public hook (two frames above this helper's caller)."""
+    try:
+        return sys._getframe(3)
+    except ValueError:  # no Python frame there: called from C++
+        return None
+
+
+def _when_done(fut: torch.futures.Future, tensor: torch.Tensor) -> torch.Tensor:
+    fut.wait()  # re-raises a failed collective's error
+    return tensor
+
+
 def _compress_hook(
     dtype: torch.dtype, process_group: dist.ProcessGroup | None, bucket: dist.GradBucket, hook: str
 ) -> torch.futures.Future[torch.Tensor]:
@@ -76,12 +112,16 @@ def _compress_hook(
         low.copy_(buffer)
     else:
         torch.div(buffer, world, out=low)  # cast and divide: one kernel
+    fut = start_allreduce(low, group).get_future()
+    if _called_by_reducer(_caller_of_hook()):
+        # DDP copies the result into the gradients in their own dtype: that copy is the cast back.
+        return fut.then(lambda f: _when_done(f, low))
 
     def cast_back(fut: torch.futures.Future) -> torch.Tensor:
         fut.wait()
         return copy_back(buffer, low)  # cast back into the bucket: one kernel
 
-    return dist.all_reduce(low, group=group, async_op=True).get_future().then(cast_back)
+    return fut.then(cast_back)
 
 
 def allreduce_hook(

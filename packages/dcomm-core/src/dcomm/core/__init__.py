@@ -1,4 +1,4 @@
-"""dcomm.core: communication state, divide factors, collectives and group helpers.
+"""dcomm.core: communication state, divide factors, collectives, block quantization and group helpers.
 
 Example::
 
@@ -24,21 +24,31 @@ from dcomm.core.low_precision import (
     copy_back,
     keep_until_stream_done,
 )
+from dcomm.core.quantization import (
+    QUANTIZED_FORMATS,
+    dequantize,
+    payload_bytes,
+    quantize,
+)
 from dcomm.core.state import DefaultState, LowPrecisionState
 
 __all__ = [
     "LOW_PRECISION_DTYPES",
     "DefaultState",
     "LowPrecisionState",
+    "QUANTIZED_FORMATS",
     "__version__",
     "allreduce_future",
     "cast_for_communication",
     "copy_back",
+    "dequantize",
     "divide_factors",
     "group_size",
     "intra_node_subgroups",
     "keep_until_stream_done",
     "local_world_size",
+    "payload_bytes",
+    "quantize",
     "reduce_scatter_future",
     "reduced_by_nccl",
     "resolve_group",

@@ -150,16 +150,16 @@ def _driver(zero: ZeroRedundancyOptimizer) -> object:
 
 
 def _check_owned_grads(case: str, zero: ZeroRedundancyOptimizer, ref_model: torch.nn.Module, rank: int) -> None:
-    """This rank's slice of every bucket holds the averaged gradient (the rest need not)."""
+    """This rank's slice of every bucket was stepped with the averaged gradient."""
     ref_grad = {id(p): p.grad for p in ref_model.parameters()}
     model_params = list(zero._all_params)
     ref_params = list(ref_model.parameters())
     to_ref = {id(p): ref_grad[id(r)] for p, r in zip(model_params, ref_params, strict=True)}
     for shard in _driver(zero).layout:
-        ours = torch.cat([p.grad.reshape(-1) for p in shard.params])
         theirs = torch.cat([to_ref[id(p)].reshape(-1) for p in shard.params])
         lo, hi = rank * shard.chunk, min(shard.numel, (rank + 1) * shard.chunk)
-        torch.testing.assert_close(ours[lo:hi], theirs[lo:hi], **RS_TOL, msg=lambda m: f"{case}: owned grad: {m}")
+        ours = shard.slice.grad[: hi - lo]
+        torch.testing.assert_close(ours, theirs[lo:hi], **RS_TOL, msg=lambda m: f"{case}: owned grad: {m}")
 
 
 def _rs_matrix(rank: int, world: int, steps: int = 4) -> list[str]:
@@ -235,11 +235,15 @@ def _first_step(rank: int, world: int) -> None:
 
 
 def _consolidated(zero: ZeroRedundancyOptimizer) -> dict:
-    """The full optimizer state dict on every rank."""
+    """The full optimizer state dict on every rank, as a snapshot.
+
+    On rank 0 torch's consolidated state dict shares its tensors with the live optimizer state,
+    so a copy keeps a later load into another optimizer from aliasing (and updating) them.
+    """
     zero.consolidate_state_dict(to=0)
     box = [zero.state_dict() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return copy.deepcopy(box[0])
 
 
 def _resume(rank: int, world: int, steps: int = 4) -> None:

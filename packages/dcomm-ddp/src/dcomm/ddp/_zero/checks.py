@@ -175,6 +175,12 @@ def check_state(state: object, zero: ZeroRedundancyOptimizer) -> None:
             "the ZeRO step needs the gradient averaged over zero.process_group at every step; register "
             "the hook with ddp.register_comm_hook(None, ...) around allreduce_hook or a compress hook"
         )
+    if state is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"state: a process group this rank is not in, but zero.process_group holds ranks "
+            f"{_ranks(zero.process_group)}; register the hook with zero.process_group (or None when "
+            "that is WORLD) as its state, so every gradient is averaged over ZeRO's group"
+        )
     if state is None or isinstance(state, dist.ProcessGroup):
         group = state
     elif hasattr(state, "process_group"):  # DefaultState, LowPrecisionState, torch's, PowerSGDState

@@ -77,7 +77,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dcomm.ddp import _torch_private as private
 from dcomm.ddp._zero import checks
-from dcomm.ddp._zero.driver import Driver, Hook
+from dcomm.ddp._zero.driver import Driver, Hook, Setup
 from dcomm.ddp._zero.layout import expected_buckets
 from dcomm.ddp._zero.parameter_driver import ParameterDriver
 from dcomm.ddp._zero.sharded_driver import ShardedDriver
@@ -102,14 +102,10 @@ def _build(
     params = checks.trainable_params(ddp, zero)
     checks.check_not_trained(ddp, name)
 
-    buckets = expected_buckets(ddp, params)
-    first_call = checks.first_call_checks(ddp, zero, name)
     interleaved = name == "hook_with_zero_step_interleaved"
-    driver: Driver
-    if reduce_scatter:
-        driver = ShardedDriver(hook, ddp, zero, buckets, interleaved, reduce_dtype, first_call)
-    else:
-        driver = ParameterDriver(hook, ddp, zero, buckets, shard_buckets, interleaved, first_call)
+    first_call = checks.first_call_checks(ddp, zero, name)
+    setup = Setup(hook, ddp, zero, expected_buckets(ddp, params), interleaved, first_call)
+    driver = ShardedDriver(setup, reduce_dtype) if reduce_scatter else ParameterDriver(setup, shard_buckets)
     info = private.overlap_info(zero)
     info.status = private.overlap_status().INITIALIZED  # type: ignore[attr-defined]
     info.shard_buckets = shard_buckets

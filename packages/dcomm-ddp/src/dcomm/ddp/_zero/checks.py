@@ -55,8 +55,8 @@ def _described(hook: object) -> tuple[object, str]:
         if isinstance(inner, functools.partial):
             inner = inner.func
             name = f"functools.partial({_name(inner)})"
-        elif callable(getattr(inner, "__wrapped__", None)):
-            inner = inner.__wrapped__  # type: ignore[attr-defined]
+        elif inspect.unwrap(inner) is not inner:  # functools.wraps layers
+            inner = inspect.unwrap(inner)
         else:
             return inner, name
 

@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,6 +62,18 @@ def all_gather(output: torch.Tensor, piece: torch.Tensor, group: dist.ProcessGro
     return op(output, piece, group=group, async_op=True)
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What every driver is built from."""
+
+    hook: Hook  # the wrapped DDP hook
+    ddp: DistributedDataParallel
+    zero: ZeroRedundancyOptimizer
+    buckets: list[list[torch.Tensor]]  # DDP's expected settled buckets
+    interleaved: bool  # update each bucket behind the next one, or all after the last
+    first_call_checks: Checks
+
+
 class Driver:
     """Per-(ddp, zero) state shared by every call of one wrapped hook.
 
@@ -69,24 +82,15 @@ class Driver:
     parameters and send them out).
     """
 
-    def __init__(
-        self,
-        hook: Hook,
-        ddp: DistributedDataParallel,
-        zero: ZeroRedundancyOptimizer,
-        buckets: list[list[torch.Tensor]],
-        shard_buckets: bool,
-        interleaved: bool,
-        first_call_checks: Checks,
-    ) -> None:
-        self.hook = hook
-        self.ddp = ddp
-        self.zero = zero
+    def __init__(self, setup: Setup, shard_buckets: bool) -> None:
+        self.hook = setup.hook
+        self.ddp = setup.ddp
+        self.zero = zero = setup.zero
         self.group: dist.ProcessGroup = zero.process_group
         self.rank: int = zero.rank
         self.world: int = zero.world_size
-        self.interleaved = interleaved
-        self.first_call_checks: Checks | None = first_call_checks
+        self.interleaved = setup.interleaved
+        self.first_call_checks: Checks | None = setup.first_call_checks
         self.plans: dict[int, Any] = {}
         self.pending: list[Any] = []
         self.works: list[Any] = []
@@ -94,7 +98,8 @@ class Driver:
         self.fallbacks = 0  # buckets allreduced instead of reduce-scattered once DDP settled
         # Fix every parameter's owner now, for good: the step can then run from iteration 1.
         private.clear_cache(zero)
-        self.local_groups = private.partition_parameters(zero, partition(buckets, self.world, shard_buckets))[self.rank]
+        owners = partition(setup.buckets, self.world, shard_buckets)
+        self.local_groups = private.partition_parameters(zero, owners)[self.rank]
 
     # -- what subclasses define -------------------------------------------------------------------
 

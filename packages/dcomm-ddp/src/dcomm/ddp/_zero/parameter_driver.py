@@ -8,7 +8,7 @@ and one ``all_gather_into_tensor`` returns them all, otherwise each owner broadc
 
 Example::
 
-    >>> driver = ParameterDriver(allreduce_hook, ddp, zero, buckets, False, True, checks)  # doctest: +SKIP
+    >>> driver = ParameterDriver(Setup(allreduce_hook, ddp, zero, buckets, True, checks), False)  # doctest: +SKIP
     >>> ddp.register_comm_hook(None, driver)  # doctest: +SKIP
 """
 
@@ -19,11 +19,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.nn.parallel import DistributedDataParallel
 
 from dcomm.ddp import _torch_private as private
-from dcomm.ddp._zero.driver import Checks, Driver, Hook, all_gather, averaged_bucket, optimizer_class
+from dcomm.ddp._zero.driver import Driver, Setup, all_gather, averaged_bucket, optimizer_class
 
 
 @dataclass
@@ -66,17 +64,9 @@ class _Update:
 class ParameterDriver(Driver):
     """Per-(ddp, zero) state of a ``reduce_scatter=False`` overlap hook."""
 
-    def __init__(
-        self,
-        hook: Hook,
-        ddp: DistributedDataParallel,
-        zero: ZeroRedundancyOptimizer,
-        buckets: list[list[torch.Tensor]],
-        shard_buckets: bool,
-        interleaved: bool,
-        first_call_checks: Checks,
-    ) -> None:
-        super().__init__(hook, ddp, zero, buckets, shard_buckets, interleaved, first_call_checks)
+    def __init__(self, setup: Setup, shard_buckets: bool) -> None:
+        super().__init__(setup, shard_buckets)
+        zero = setup.zero
         zero.optim = optimizer_class(zero)(self.local_groups, **private.optim_defaults(zero))
         private.sync_param_groups(zero, zero.optim.param_groups, zero.param_groups)
 

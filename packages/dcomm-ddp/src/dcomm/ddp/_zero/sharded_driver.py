@@ -16,7 +16,7 @@ sum that a non-overlapped ZeRO steps with.
 
 Example::
 
-    >>> driver = ShardedDriver(allreduce_hook, ddp, zero, buckets, True, None, checks)  # doctest: +SKIP
+    >>> driver = ShardedDriver(Setup(allreduce_hook, ddp, zero, buckets, True, checks), None)  # doctest: +SKIP
     >>> ddp.register_comm_hook(None, driver)  # doctest: +SKIP
 """
 
@@ -28,13 +28,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.nn.parallel import DistributedDataParallel
 
 from dcomm.core import reduce_scatter_future
 from dcomm.ddp import _torch_private as private
 from dcomm.ddp._zero import checkpoint
-from dcomm.ddp._zero.driver import Checks, Driver, Hook, all_gather, averaged_bucket, optimizer_class
+from dcomm.ddp._zero.driver import Driver, Setup, all_gather, averaged_bucket, optimizer_class
 from dcomm.ddp._zero.layout import Shard, pack_shards
 
 
@@ -60,23 +58,15 @@ class _Pending:
 class ShardedDriver(Driver):
     """Per-(ddp, zero) state of a ``reduce_scatter=True`` overlap hook (element-wise sharding)."""
 
-    def __init__(
-        self,
-        hook: Hook,
-        ddp: DistributedDataParallel,
-        zero: ZeroRedundancyOptimizer,
-        buckets: list[list[torch.Tensor]],
-        interleaved: bool,
-        reduce_dtype: torch.dtype | None,
-        first_call_checks: Checks,
-    ) -> None:
-        super().__init__(hook, ddp, zero, buckets, False, interleaved, first_call_checks)
-        builder = "hook_with_zero_step_interleaved" if interleaved else "hook_with_zero_step"
+    def __init__(self, setup: Setup, reduce_dtype: torch.dtype | None) -> None:
+        super().__init__(setup, False)
+        zero = setup.zero
+        builder = "hook_with_zero_step_interleaved" if setup.interleaved else "hook_with_zero_step"
         self.name = f"{builder}(reduce_scatter=True)"
         self.fast_buckets = 0  # over the last backward
         self.fallback_buckets = 0  # over the last backward, the first iterations' included
         self._counting = [0, 0]
-        self.layout = pack_shards(buckets, self.rank, self.world, reduce_dtype)
+        self.layout = pack_shards(setup.buckets, self.rank, self.world, reduce_dtype)
         self.where = {id(p): (s, o) for s in self.layout for p, o in zip(s.params, s.offsets, strict=True)}
         zero.optim = optimizer_class(zero)([s.slice for s in self.layout], **private.optim_defaults(zero))
         private.sync_param_groups(zero, zero.optim.param_groups, zero.param_groups)

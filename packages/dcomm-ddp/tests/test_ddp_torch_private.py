@@ -15,8 +15,8 @@ import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import dcomm.ddp._torch_private as private
 from dcomm.core.testing import run_ranks
-from dcomm.ddp import _torch_private as private
 
 DDP_SRC = pathlib.Path(private.__file__).parent
 

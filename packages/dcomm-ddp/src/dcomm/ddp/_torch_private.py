@@ -8,7 +8,7 @@ unit tests assert it is empty on every torch in the CI matrix.
 
 Example::
 
-    >>> from dcomm.ddp import _torch_private as private
+    >>> import dcomm.ddp._torch_private as private
     >>> private.param_to_rank(zero)[param]  # doctest: +SKIP
     1
 """

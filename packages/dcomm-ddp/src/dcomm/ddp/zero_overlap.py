@@ -75,7 +75,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from dcomm.ddp import _torch_private as private
+import dcomm.ddp._torch_private as private
 from dcomm.ddp._zero import checks
 from dcomm.ddp._zero.driver import Driver, Hook, Setup
 from dcomm.ddp._zero.layout import expected_buckets

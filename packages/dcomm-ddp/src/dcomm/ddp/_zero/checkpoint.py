@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from dcomm.ddp import _torch_private as private
+import dcomm.ddp._torch_private as private
 from dcomm.ddp._zero.layout import Shard
 
 # State entries that are per-step scalars even for 0-dim parameters (used only to classify the

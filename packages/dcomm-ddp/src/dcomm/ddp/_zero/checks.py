@@ -23,9 +23,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_h
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+import dcomm.ddp._torch_private as private
+import dcomm.ddp.default_hooks as dcomm_hooks
 from dcomm.core import resolve_group
-from dcomm.ddp import _torch_private as private
-from dcomm.ddp import default_hooks as dcomm_hooks
 
 # Marks the hooks built here (the value is the hook's driver), and the optimizer a hook drives.
 HOOK_MARK = "_dcomm_zero_overlap"

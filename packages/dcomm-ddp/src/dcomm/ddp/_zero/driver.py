@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from dcomm.ddp import _torch_private as private
+import dcomm.ddp._torch_private as private
 from dcomm.ddp._zero.layout import partition
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from dcomm.ddp import _torch_private as private
+import dcomm.ddp._torch_private as private
 
 
 def expected_buckets(ddp: DistributedDataParallel, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcomm.ddp import _torch_private as private
+import dcomm.ddp._torch_private as private
 from dcomm.ddp._zero.driver import Driver, Setup, all_gather, averaged_bucket, optimizer_class
 
 

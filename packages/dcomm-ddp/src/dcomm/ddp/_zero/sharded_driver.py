@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import dcomm.ddp._torch_private as private
 from dcomm.core import reduce_scatter_future
-from dcomm.ddp import _torch_private as private
 from dcomm.ddp._zero import checkpoint
 from dcomm.ddp._zero.driver import Driver, Setup, all_gather, averaged_bucket, optimizer_class
 from dcomm.ddp._zero.layout import Shard, pack_shards

@@ -7,7 +7,8 @@ same fp32 Adam arithmetic, so after every step (the first included) the paramete
 float32 tolerance, and every rank holds the same parameters. ``reduce_scatter=True`` cases wrap
 the fp32 ``allreduce_hook`` (reference: DDP with it): every bucket is sharded element-wise
 (equal slices across parameter boundaries) and its gradient reduce-scattered onto the slices
-instead of allreduced, so only the summation order differs (rtol 1e-5, atol 1e-6).
+instead of allreduced, so only the summation order differs (rtol 1e-5, atol 1e-6). The
+accumulation scenario skips ``zero_grad`` between backward passes and compares the same way.
 
 Example::
 
@@ -17,6 +18,8 @@ Example::
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,6 +64,40 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def _train_against_plain_zero(
+    case: str, rank: int, build: Callable[..., Any], hook: Callable[..., Any], zero_grad_every: int, **kwargs: Any
+) -> None:
+    """Train with the overlap hook and with ``hook`` + plain ZeRO; compare after every step.
+
+    ``zero_grad_every`` > 1 accumulates gradients over that many backward passes.
+    """
+    model, ref_model = _model(), _model()
+    ddp, ref_ddp = _ddp(model), _ddp(ref_model)
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True, lr=1e-2)
+    ddp.register_comm_hook(None, build(hook, ddp, zero, **kwargs))
+    ref_ddp.register_comm_hook(None, hook)
+    ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if kwargs.get("reduce_scatter") else {}
+    before = _flat(model)
+    for step in range(STEPS):
+        x = _batch(rank, step)
+        if step % zero_grad_every == 0:
+            zero.zero_grad(set_to_none=True)
+            ref_zero.zero_grad(set_to_none=True)
+        ddp(x).square().mean().backward()
+        ref_ddp(x).square().mean().backward()
+        ref_zero.step()
+        ours = _flat(model)
+        assert not torch.equal(ours, before), f"{case}: step {step} left the parameters unchanged"
+        torch.testing.assert_close(ours, _flat(ref_model), **tol, msg=lambda m, c=case, s=step: f"{c} step {s}: {m}")
+        agreed = ours.clone()
+        dist.broadcast(agreed, src=0)
+        assert torch.equal(ours, agreed), f"{case} step {step}: ranks disagree on the parameters"
+        before = ours
+    if device().type == "cuda":
+        torch.cuda.synchronize()
+
+
 @scenario(min_world_size=2)
 def scenario_zero_overlap_bf16(rank: int, world_size: int) -> None:
     builders = (hook_with_zero_step, hook_with_zero_step_interleaved)
@@ -70,31 +107,13 @@ def scenario_zero_overlap_bf16(rank: int, world_size: int) -> None:
         # than an allreduce, and in bf16 that can move Adam's first step on a near-zero gradient by
         # up to lr; in fp32 the difference stays at float32 rounding.
         hook = allreduce_hook if rs else bf16_compress_hook
-        model, ref_model = _model(), _model()
-        ddp, ref_ddp = _ddp(model), _ddp(ref_model)
-        zero = ZeroRedundancyOptimizer(
-            ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True, lr=1e-2
-        )
-        ddp.register_comm_hook(None, builder(hook, ddp, zero, shard_buckets=shard, reduce_scatter=rs))
-        ref_ddp.register_comm_hook(None, hook)
-        ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2)
-        before = _flat(model)
-        for step in range(STEPS):
-            x = _batch(rank, step)
-            zero.zero_grad(set_to_none=True)
-            ddp(x).square().mean().backward()
-            ref_zero.zero_grad(set_to_none=True)
-            ref_ddp(x).square().mean().backward()
-            ref_zero.step()
-            ours = _flat(model)
-            assert not torch.equal(ours, before), f"{case}: step {step} left the parameters unchanged"
-            tol = {"rtol": 1e-5, "atol": 1e-6} if rs else {}
-            torch.testing.assert_close(
-                ours, _flat(ref_model), **tol, msg=lambda m, c=case, s=step: f"{c} step {s}: {m}"
-            )
-            agreed = ours.clone()
-            dist.broadcast(agreed, src=0)
-            assert torch.equal(ours, agreed), f"{case} step {step}: ranks disagree on the parameters"
-            before = ours
-        if device().type == "cuda":
-            torch.cuda.synchronize()
+        _train_against_plain_zero(case, rank, builder, hook, 1, shard_buckets=shard, reduce_scatter=rs)
+
+
+@scenario(min_world_size=2)
+def scenario_zero_overlap_accumulation(rank: int, world_size: int) -> None:
+    """Gradients accumulated over 3 backward passes without zero_grad: plain ZeRO's parameters."""
+    builders = (hook_with_zero_step, hook_with_zero_step_interleaved)
+    for builder, rs in itertools.product(builders, (False, True)):
+        case = f"accumulate {builder.__name__}(reduce_scatter={rs})"
+        _train_against_plain_zero(case, rank, builder, allreduce_hook, 3, reduce_scatter=rs)

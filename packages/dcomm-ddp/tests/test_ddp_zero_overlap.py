@@ -10,7 +10,10 @@ practice they are bit-identical.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -22,8 +25,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dcomm.core.testing import run_ranks
 from dcomm.ddp import (
+    PostLocalSGDState,
     allreduce_hook,
     bf16_compress_hook,
+    fallback_count,
     hook_with_zero_step,
     hook_with_zero_step_interleaved,
     post_localSGD_hook,
@@ -150,16 +155,16 @@ def _driver(zero: ZeroRedundancyOptimizer) -> object:
 
 
 def _check_owned_grads(case: str, zero: ZeroRedundancyOptimizer, ref_model: torch.nn.Module, rank: int) -> None:
-    """This rank's slice of every bucket holds the averaged gradient (the rest need not)."""
+    """This rank's slice of every bucket was stepped with the averaged gradient."""
     ref_grad = {id(p): p.grad for p in ref_model.parameters()}
     model_params = list(zero._all_params)
     ref_params = list(ref_model.parameters())
     to_ref = {id(p): ref_grad[id(r)] for p, r in zip(model_params, ref_params, strict=True)}
     for shard in _driver(zero).layout:
-        ours = torch.cat([p.grad.reshape(-1) for p in shard.params])
         theirs = torch.cat([to_ref[id(p)].reshape(-1) for p in shard.params])
         lo, hi = rank * shard.chunk, min(shard.numel, (rank + 1) * shard.chunk)
-        torch.testing.assert_close(ours[lo:hi], theirs[lo:hi], **RS_TOL, msg=lambda m: f"{case}: owned grad: {m}")
+        ours = shard.slice.grad[: hi - lo]
+        torch.testing.assert_close(ours, theirs[lo:hi], **RS_TOL, msg=lambda m: f"{case}: owned grad: {m}")
 
 
 def _rs_matrix(rank: int, world: int, steps: int = 4) -> list[str]:
@@ -195,9 +200,154 @@ def _rs_matrix(rank: int, world: int, steps: int = 4) -> list[str]:
                 # DDP's settled buckets are the planned ones: one reduce-scatter each.
                 assert counts == (len(driver.layout), 0), (case, step, counts)
                 assert len(driver.layout) > 1, case
+            assert driver.fallbacks == 0, (case, step)  # the first iterations are not counted
             before = ours
         seen.append(case)
     return seen
+
+
+# -- gradients accumulated over several backward passes (issue 13, item 5) -------------------------
+
+
+def _accumulation(rank: int, world: int) -> list[str]:
+    """No zero_grad between some backward passes: every mode steps plain ZeRO's accumulated sum.
+
+    Accumulation spans DDP's first (single-bucket, allreduced) iteration and the settled
+    reduce-scattered ones. Before the fix, reduce_scatter=True left the averaged gradient in this
+    rank's slices of param.grad and the local one elsewhere, so the next backward's sum was
+    neither (0.075 off at world 4 after 3 steps).
+    """
+    seen = []
+    for builder, rs in itertools.product(BUILDERS, (False, True)):
+        case = f"accumulate-{builder}-rs{rs}"
+        model, ddp, zero = overlapped(builder, "adam", False, True, rs=rs)
+        ref_model, ref_ddp, ref_zero = reference("adam", False)
+        for step in range(5):
+            x = batch(rank, step)
+            if step in (0, 3):  # accumulate over steps 0-2, then over 3-4
+                zero.zero_grad(set_to_none=True)
+                ref_zero.zero_grad(set_to_none=True)
+            ddp(x).square().sum().backward()
+            ref_ddp(x).square().sum().backward()
+            ref_zero.step()
+            tol = RS_TOL if rs else {}
+            torch.testing.assert_close(
+                flat_params(model), flat_params(ref_model), **tol, msg=lambda m, c=case, s=step: f"{c} step {s}: {m}"
+            )
+            assert_same_on_all_ranks(flat_params(model))
+        seen.append(case)
+    return seen
+
+
+# -- a wrapped hook or state that does not average over ZeRO's group (issue 13, item 4) ------------
+
+
+def _fresh_pair() -> tuple[DDP, ZeroRedundancyOptimizer]:
+    ddp = DDP(make_model(), bucket_cap_mb=BUCKET_MB)
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
+    return ddp, zero
+
+
+def _register(build: object, hook: object, state: object, rs: bool) -> tuple[DDP, ZeroRedundancyOptimizer]:
+    ddp, zero = _fresh_pair()
+    ddp.register_comm_hook(state, build(hook, ddp, zero, reduce_scatter=rs))
+    return ddp, zero
+
+
+def _wrong_averaging(rank: int, world: int) -> int:
+    """Each bad case raises on every rank, before any collective, in both modes."""
+    checked = 0
+    subgroup = dist.new_group(list(range(world - 1)))  # a strict subgroup: this rank may be outside
+    for build, rs in itertools.product(BUILDERS.values(), (False, True)):
+        for state, pattern in [
+            (subgroup, r"state: .*(averages over ranks \[0.*\]|not in).*zero.process_group holds ranks \[0"),
+            (PostLocalSGDState(None, None, start_localSGD_iter=1), r"state: a PostLocalSGDState averages within"),
+        ]:
+            ddp, zero = _register(build, allreduce_hook, state, rs)
+            with pytest.raises(ValueError, match=pattern):
+                ddp(batch(rank, 0)).sum().backward()
+            checked += 1
+    # post_localSGD_hook behind functools.partial is recognised, whatever reduce_scatter says.
+    for build in BUILDERS.values():
+        ddp, zero = _fresh_pair()
+        with pytest.raises(ValueError, match=r"hook: functools.partial\(post_localSGD_hook\) cannot be wrapped"):
+            build(functools.partial(post_localSGD_hook), ddp, zero)
+        checked += 1
+    # The whole group, spelled as the group or as None (WORLD), trains.
+    for state in (None, dist.group.WORLD):
+        ddp, zero = _register(hook_with_zero_step, allreduce_hook, state, False)
+        ddp(batch(rank, 0)).sum().backward()
+    return checked
+
+
+# -- the reduce_scatter=True fallback: warned once, counted publicly (issue 15) ---------------------
+
+
+class _Backwards(torch.nn.Module):
+    """make_model's layers defined in reverse order: DDP's settled buckets differ from the plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers = list(make_model())
+        self.layers = torch.nn.ModuleList(reversed(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in reversed(self.layers):
+            x = layer(x)
+        return x
+
+
+def _fallback(rank: int, world: int) -> list[int]:
+    counts = []
+    for builder, backwards in itertools.product(BUILDERS, (False, True)):
+        model = _Backwards() if backwards else make_model()
+        ref_model = copy.deepcopy(model)
+        ddp, ref_ddp = DDP(model, bucket_cap_mb=BUCKET_MB), DDP(ref_model, bucket_cap_mb=BUCKET_MB)
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True)
+        ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam)
+        hook = BUILDERS[builder](allreduce_hook, ddp, zero, reduce_scatter=True)
+        ddp.register_comm_hook(None, hook)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(4):
+                train_step(ddp, zero, batch(rank, step), overlap=True)
+                train_step(ref_ddp, ref_zero, batch(rank, step), overlap=False)
+                torch.testing.assert_close(flat_params(model), flat_params(ref_model), **RS_TOL)
+        said = [str(w.message) for w in caught if "fallback_count" in str(w.message)]
+        if backwards:
+            # Settled buckets that are not the planned ones: counted from step 2 on, warned once.
+            assert fallback_count(hook) >= 3, (builder, fallback_count(hook))
+            assert len(said) == 1, said
+            assert "reduce_scatter=True" in said[0], said
+            assert "allreduced" in said[0], said
+        else:
+            assert fallback_count(hook) == 0, builder
+            assert said == [], (builder, said)
+        counts.append(fallback_count(hook))
+    # Without reduce_scatter nothing falls back; anything else is not a ZeRO overlap hook.
+    hook = hook_with_zero_step(allreduce_hook, *_fresh_pair())
+    assert fallback_count(hook) == 0
+    with pytest.raises(TypeError, match=r"hook: expected a hook returned by hook_with_zero_step"):
+        fallback_count(allreduce_hook)
+    return counts
+
+
+# -- signatures: torch's, plus a keyword-only reduce_scatter (issue 15) -----------------------------
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS.values(), key=lambda f: f.__name__), ids=lambda f: f.__name__)
+def test_signature_is_torchs_plus_keyword_only_reduce_scatter(name: object) -> None:
+    ours = inspect.signature(name)
+    theirs = inspect.signature(getattr(torch_zero_hook, name.__name__))
+    assert list(ours.parameters)[:4] == list(theirs.parameters)
+    for param in theirs.parameters.values():
+        assert ours.parameters[param.name].kind == param.kind
+        assert ours.parameters[param.name].default == param.default
+    extra = ours.parameters["reduce_scatter"]
+    assert extra.kind is inspect.Parameter.KEYWORD_ONLY
+    assert extra.default is False
+    with pytest.raises(TypeError, match="positional argument"):
+        name(allreduce_hook, None, None, False, True)
 
 
 # -- the first update is not lost (torch's is) -----------------------------------------------------
@@ -235,11 +385,15 @@ def _first_step(rank: int, world: int) -> None:
 
 
 def _consolidated(zero: ZeroRedundancyOptimizer) -> dict:
-    """The full optimizer state dict on every rank."""
+    """The full optimizer state dict on every rank, as a snapshot.
+
+    On rank 0 torch's consolidated state dict shares its tensors with the live optimizer state,
+    so a copy keeps a later load into another optimizer from aliasing (and updating) them.
+    """
     zero.consolidate_state_dict(to=0)
     box = [zero.state_dict() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return copy.deepcopy(box[0])
 
 
 def _resume(rank: int, world: int, steps: int = 4) -> None:
@@ -443,18 +597,28 @@ def _suite(rank: int, world: int, parts: list[str]) -> int:
             assert len(result) == 16
         if part == "_rs_matrix":
             assert len(result) == 8
+        if part == "_accumulation":
+            assert len(result) == 4
+        if part == "_wrong_averaging":
+            assert result == 10
     return len(parts)
 
 
 def test_world2_every_step_matches_non_overlapped_zero_first_step_bf16() -> None:
     """The 16-case matrix (and reduce_scatter's 8) at world 2, torch's lost first update, bf16."""
-    assert run_ranks(_suite, 2, ["_matrix", "_rs_matrix", "_first_step", "_bf16"]) == [4, 4]
+    assert run_ranks(_suite, 2, ["_matrix", "_rs_matrix", "_first_step", "_bf16"], timeout=300) == [4, 4]
 
 
 def test_world4_every_step_matches_non_overlapped_zero() -> None:
-    assert run_ranks(_suite, 4, ["_matrix", "_rs_matrix"]) == [2] * 4
+    assert run_ranks(_suite, 4, ["_matrix", "_rs_matrix"], timeout=300) == [2] * 4
 
 
-def test_checkpoints_resume_and_errors() -> None:
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_accumulated_gradients_and_wrong_averaging(world: int) -> None:
+    """Accumulation without zero_grad equals plain ZeRO; a state or hook over other ranks raises."""
+    assert run_ranks(_suite, world, ["_accumulation", "_wrong_averaging"], timeout=300) == [2] * world
+
+
+def test_checkpoints_resume_errors_and_fallback() -> None:
     """Checkpoint at step 0 and 2 and resume; a non-overlapped checkpoint resumes; every error."""
-    assert run_ranks(_suite, 2, ["_resume", "_interchangeable", "_errors"]) == [3, 3]
+    assert run_ranks(_suite, 2, ["_resume", "_interchangeable", "_errors", "_fallback"], timeout=300) == [4, 4]

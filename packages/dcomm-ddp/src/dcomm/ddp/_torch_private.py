@@ -1,0 +1,159 @@
+"""Every private torch member that dcomm-ddp reads, one named accessor each.
+
+The ZeRO overlap hooks need internals of ``ZeroRedundancyOptimizer`` and of DDP's bucketing that
+torch does not publish. Each is read here and nowhere else, so a grep finds them all, and a torch
+release that renames one fails loudly with a ``RuntimeError`` naming the member, instead of
+silently switching a check off. :func:`missing_members` lists what the running torch lacks; the
+unit tests assert it is empty on every torch in the CI matrix.
+
+Example::
+
+    >>> import dcomm.ddp._torch_private as private
+    >>> private.param_to_rank(zero)[param]  # doctest: +SKIP
+    1
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.optim.utils as optim_utils
+import torch.distributed.optim.zero_redundancy_optimizer as zero_module
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+SUPPORTED = "torch>=2.11,<2.15"
+
+
+def _read(owner: object, name: str, where: str) -> Any:
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        raise RuntimeError(
+            f"torch {torch.__version__} changed {where}.{name}; dcomm-ddp supports {SUPPORTED}: "
+            "install a supported torch, or a dcomm-ddp release that supports this one"
+        ) from None
+
+
+# -- ZeroRedundancyOptimizer ---------------------------------------------------------------------
+
+
+def overlap_with_ddp(zero: ZeroRedundancyOptimizer) -> bool:
+    return bool(_read(zero, "_overlap_with_ddp", "ZeroRedundancyOptimizer"))
+
+
+def overlap_info(zero: ZeroRedundancyOptimizer) -> Any:
+    """``zero._overlap_info``: its ``status`` and ``shard_buckets`` are read and set."""
+    info = _read(zero, "_overlap_info", "ZeroRedundancyOptimizer")
+    _read(info, "status", "ZeroRedundancyOptimizer._overlap_info")
+    return info
+
+
+def overlap_status() -> type[enum.Enum]:
+    """The ``_OverlapStatus`` enum (``UNINITIALIZED``, ``INITIALIZED``, ...)."""
+    return _read(zero_module, "_OverlapStatus", "torch.distributed.optim.zero_redundancy_optimizer")
+
+
+def all_params(zero: ZeroRedundancyOptimizer) -> list[torch.Tensor]:
+    return list(_read(zero, "_all_params", "ZeroRedundancyOptimizer"))
+
+
+def param_to_rank(zero: ZeroRedundancyOptimizer) -> dict[torch.Tensor, int]:
+    return _read(zero, "_param_to_rank", "ZeroRedundancyOptimizer")
+
+
+def param_to_index(zero: ZeroRedundancyOptimizer) -> dict[torch.Tensor, int]:
+    return _read(zero, "_param_to_index", "ZeroRedundancyOptimizer")
+
+
+def optim_defaults(zero: ZeroRedundancyOptimizer) -> dict[str, Any]:
+    return _read(zero, "_optim_defaults", "ZeroRedundancyOptimizer")
+
+
+def optim_constructor(zero: ZeroRedundancyOptimizer) -> Any:
+    return _read(zero, "_optim_constructor", "ZeroRedundancyOptimizer")
+
+
+def all_state_dicts(zero: ZeroRedundancyOptimizer) -> list[dict[str, Any]]:
+    """The per-rank state dicts that ``consolidate_state_dict()`` gathered."""
+    return _read(zero, "_all_state_dicts", "ZeroRedundancyOptimizer")
+
+
+def clear_cache(zero: ZeroRedundancyOptimizer) -> None:
+    _read(zero, "_clear_cache", "ZeroRedundancyOptimizer")()
+
+
+def partition_parameters(zero: ZeroRedundancyOptimizer, per_rank: list[list[torch.Tensor]]) -> list[Any]:
+    """Fix ``zero``'s owner of every parameter: ``per_rank[r]`` goes to rank ``r``."""
+    return _read(zero, "_partition_parameters", "ZeroRedundancyOptimizer")(per_rank)
+
+
+def sync_param_groups(zero: ZeroRedundancyOptimizer, src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
+    """Copy the hyperparameters (not the parameters) of ``src``'s groups into ``dst``'s."""
+    _read(zero, "_sync_param_groups", "ZeroRedundancyOptimizer")(src, dst)
+
+
+def check_overlap_initialized(zero: ZeroRedundancyOptimizer) -> None:
+    _read(zero, "_check_overlap_initialized", "ZeroRedundancyOptimizer")()
+
+
+def functional_optimizers() -> dict[type[torch.optim.Optimizer], Any]:
+    """``torch.optim`` class -> the functional optimizer ZeRO overlap builds from it."""
+    return _read(optim_utils, "functional_optim_map", "torch.distributed.optim.utils")
+
+
+# -- DistributedDataParallel ---------------------------------------------------------------------
+
+
+def has_rebuilt_buckets(ddp: DistributedDataParallel) -> bool:
+    """Whether DDP has replaced its first-iteration buckets by the settled ones."""
+    return bool(_read(ddp, "_has_rebuilt_buckets", "DistributedDataParallel"))
+
+
+def bucket_caps(ddp: DistributedDataParallel) -> list[int]:
+    """The byte caps DDP rebuilds its buckets with: ``[first, rest]``, or ``[cap]`` when equal."""
+    cap = int(_read(ddp, "bucket_bytes_cap", "DistributedDataParallel"))
+    default = _read(ddp, "bucket_bytes_cap_default", "DistributedDataParallel")
+    first = int(_read(dist, "_DEFAULT_FIRST_BUCKET_BYTES", "torch.distributed")) if default else cap
+    return [first, cap] if first < cap else [cap]
+
+
+def bucket_assignment(tensors: list[torch.Tensor], caps: list[int]) -> list[list[int]]:
+    """DDP's own grouping of ``tensors`` (in gradient-ready order) into buckets of at most ``caps``."""
+    assign: Callable[..., Any] = _read(dist, "_compute_bucket_assignment_by_size", "torch.distributed")
+    indices, _ = assign(tensors, caps, [False] * len(tensors))
+    return [list(bucket) for bucket in indices]
+
+
+def missing_members(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer) -> list[str]:
+    """The members read above that this torch lacks (``ddp`` and ``zero``: any live instances)."""
+    checks: list[Callable[[], object]] = [
+        lambda: overlap_with_ddp(zero),
+        lambda: overlap_info(zero),
+        overlap_status,
+        lambda: all_params(zero),
+        lambda: param_to_rank(zero),
+        lambda: param_to_index(zero),
+        lambda: optim_defaults(zero),
+        lambda: optim_constructor(zero),
+        lambda: all_state_dicts(zero),
+        lambda: _read(zero, "_clear_cache", "ZeroRedundancyOptimizer"),
+        lambda: _read(zero, "_partition_parameters", "ZeroRedundancyOptimizer"),
+        lambda: _read(zero, "_sync_param_groups", "ZeroRedundancyOptimizer"),
+        lambda: _read(zero, "_check_overlap_initialized", "ZeroRedundancyOptimizer"),
+        functional_optimizers,
+        lambda: has_rebuilt_buckets(ddp),
+        lambda: bucket_caps(ddp),
+        lambda: _read(dist, "_compute_bucket_assignment_by_size", "torch.distributed"),
+    ]
+    missing = []
+    for check in checks:
+        try:
+            check()
+        except RuntimeError as exc:
+            missing.append(str(exc))
+    return missing

@@ -1,0 +1,164 @@
+"""ZeRO overlap with whole parameters per owner: the default (``reduce_scatter=False``) path.
+
+The wrapped hook averages every bucket (an allreduce). Each parameter has one owner rank (see
+:func:`dcomm.ddp._zero.layout.partition`); the owner steps it with the averaged gradient and
+sends it to the other ranks. A bucket's ZeRO parameters are packed by owner into one flat buffer
+that they become views of: when the owned pieces are nearly equal they are padded to one size
+and one ``all_gather_into_tensor`` returns them all, otherwise each owner broadcasts its piece.
+
+Example::
+
+    >>> driver = ParameterDriver(Setup(allreduce_hook, ddp, zero, buckets, True, checks), False)  # doctest: +SKIP
+    >>> ddp.register_comm_hook(None, driver)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import dcomm.ddp._torch_private as private
+from dcomm.ddp._zero.driver import Driver, Setup, all_gather, averaged_bucket, optimizer_class
+
+
+@dataclass
+class _Owner:
+    """The parameters of one bucket that one rank updates: one contiguous piece of ``plan.flat``."""
+
+    rank: int
+    src: int  # global rank, for broadcast
+    start: int  # of the piece in plan.flat
+    numel: int
+    params: list[torch.Tensor]
+    offsets: list[int]  # of each parameter in the bucket's flat gradient
+
+
+@dataclass
+class _BucketPlan:
+    """How one DDP bucket is communicated and updated.
+
+    ``flat`` holds the bucket's ZeRO parameters (they are views into it), packed by owner. With
+    ``gather`` every owner's piece is padded to ``piece`` elements and laid out by rank
+    (``[rank0 | rank1 | ...]``), so one ``all_gather_into_tensor`` returns the updated
+    parameters; otherwise pieces are packed back to back and each owner broadcasts its own.
+    """
+
+    key: tuple[int, ...]
+    numel: int
+    owners: list[_Owner]
+    mine: _Owner | None
+    flat: torch.Tensor | None
+    gather: bool
+    piece: int
+
+
+@dataclass
+class _Update:
+    plan: _BucketPlan
+    fut: torch.futures.Future
+
+
+class ParameterDriver(Driver):
+    """Per-(ddp, zero) state of a ``reduce_scatter=False`` overlap hook."""
+
+    def __init__(self, setup: Setup, shard_buckets: bool) -> None:
+        super().__init__(setup, shard_buckets)
+        zero = setup.zero
+        zero.optim = optimizer_class(zero)(self.local_groups, **private.optim_defaults(zero))
+        private.sync_param_groups(zero, zero.optim.param_groups, zero.param_groups)
+
+    # -- planning ---------------------------------------------------------------------------
+
+    def plan(self, bucket: dist.GradBucket) -> _BucketPlan:
+        plan, key = self.cached_plan(bucket)
+        if plan is None:
+            # DDP changed this bucket (first iterations, or a rebuild): pack its parameters anew.
+            plan = self._pack(key, bucket.parameters())
+            self.plans[bucket.index()] = plan
+        return plan
+
+    @torch.no_grad()
+    def _pack(self, key: tuple[int, ...], params: list[torch.Tensor]) -> _BucketPlan:
+        owner_of = private.param_to_rank(self.zero)
+        per_rank: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        offset = 0
+        for p in params:
+            if p in owner_of:
+                per_rank.setdefault(owner_of[p], []).append((p, offset))
+            offset += p.numel()
+        sizes = {rank: sum(p.numel() for p, _ in members) for rank, members in per_rank.items()}
+        total = sum(sizes.values())
+        piece = max(sizes.values(), default=0)
+        # One all-gather of world equal (padded) pieces moves about (world - 1) * piece elements
+        # per link; one broadcast per owner about `total`. Gather when that is no worse. Every
+        # rank sees the same layout, so every rank makes the same choice.
+        gather = len(per_rank) >= 2 and (self.world - 1) * piece <= total
+        owners = []
+        flat = None
+        if per_rank:
+            first = next(iter(per_rank.values()))[0][0]
+            flat = torch.zeros(self.world * piece if gather else total, dtype=first.dtype, device=first.device)
+        start = 0
+        for rank in sorted(per_rank):
+            members = per_rank[rank]
+            if gather:
+                start = rank * piece
+            packed = start
+            for p, _ in members:
+                view = flat[packed : packed + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view
+                packed += p.numel()
+            src = dist.get_global_rank(self.group, rank)
+            owners.append(_Owner(rank, src, start, sizes[rank], [p for p, _ in members], [o for _, o in members]))
+            start += sizes[rank]
+        mine = next((o for o in owners if o.rank == self.rank), None)
+        return _BucketPlan(key, offset, owners, mine, flat, gather, piece)
+
+    # -- per-bucket work ----------------------------------------------------------------------
+
+    def launch(self, state: Any, bucket: dist.GradBucket) -> _Update:
+        plan = self.plan(bucket)
+        return _Update(plan, self.hook(state, bucket))
+
+    def complete(self, item: _Update) -> None:
+        """Wait for the bucket's averaged gradient, step this rank's share, send it out."""
+        self.in_stream(lambda: self._step_and_send(item.plan, item.fut))
+
+    def _step_and_send(self, plan: _BucketPlan, fut: torch.futures.Future) -> None:
+        grad = averaged_bucket(fut.wait(), plan.numel)
+        mine = plan.mine
+        if mine is not None:
+            if grad.dtype != plan.flat.dtype:
+                raise RuntimeError(
+                    f"hook: the wrapped hook returned a {grad.dtype} bucket for {plan.flat.dtype} "
+                    "parameters; wrap a hook that casts its result back to the bucket's dtype"
+                )
+            if self.stream is not None:
+                grad.record_stream(self.stream)
+            self._step_owned(mine, grad)
+        flat = plan.flat
+        if flat is None:
+            return
+        if plan.gather:
+            # One collective returns every owner's updated piece to every rank.
+            mine_piece = flat[self.rank * plan.piece : (self.rank + 1) * plan.piece]
+            self.works.append(all_gather(flat, mine_piece, self.group))
+        else:
+            for owner in plan.owners:
+                piece = flat[owner.start : owner.start + owner.numel]
+                self.works.append(dist.broadcast(piece, src=owner.src, group=self.group, async_op=True))
+
+    def _step_owned(self, mine: _Owner, grad: torch.Tensor) -> None:
+        """Step ``mine.params`` with their slices of the averaged bucket as gradients."""
+        saved = [p.grad for p in mine.params]
+        try:
+            for p, off in zip(mine.params, mine.offsets, strict=True):
+                p.grad = grad[off : off + p.numel()].view_as(p)
+            self.local_step(mine.params)
+        finally:
+            for p, g in zip(mine.params, saved, strict=True):
+                p.grad = g

@@ -1,4 +1,4 @@
-"""dcomm.averaging: drop-in, resumable model averaging with lean in-place parameter averaging.
+"""dcomm.averaging: drop-in, resumable model averaging with lean in-place parameter averaging, and DiLoCo.
 
 The same names as ``torch.distributed.algorithms.model_averaging`` and
 ``torch.distributed.optim.PostLocalSGDOptimizer``; a migration is an import change.
@@ -11,6 +11,7 @@ Example::
 
 from dcomm.averaging.__about__ import __version__
 from dcomm.averaging.averagers import ModelAverager, PeriodicModelAverager
+from dcomm.averaging.diloco import DiLoCoOptimizer
 from dcomm.averaging.hierarchical import HierarchicalModelAverager
 from dcomm.averaging.parameters import (
     DEFAULT_BUCKET_CAP_MB,
@@ -25,6 +26,7 @@ __all__ = [
     "PeriodicModelAverager",
     "HierarchicalModelAverager",
     "PostLocalSGDOptimizer",
+    "DiLoCoOptimizer",
     "average_parameters",
     "get_params_to_average",
     "average_parameters_or_parameter_groups",

@@ -1,0 +1,211 @@
+"""DiLoCoOptimizer against a single-process reference of the DiLoCo math, and resume.
+
+The reference trains one replica per rank in one process (each on that rank's data), averages
+``g - p`` over the replicas in rank order, and steps one outer optimizer on the global copy.
+Without compression the arithmetic is the same as the optimizer's up to the order of the sum
+over ranks, so on 2 ranks parameters must be bit-identical (a + b == b + a) and on 3 ranks equal
+within a few units in the last place (stated per dtype below). Every rank starts from a
+different initialization (the construction broadcast must fix it) and trains on different data.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+
+from dcomm.averaging import DiLoCoOptimizer
+from dcomm.averaging._diloco.fragments import split_bytes, sync_offsets
+from dcomm.core.testing import run_ranks
+
+# Relative tolerance on 3 ranks, where gloo may sum the three deltas in another order.
+RTOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+# Six parameters of 16, 4, 16, 4, 16, 4 elements.
+FRAGMENTS = {1: [[0, 1, 2, 3, 4, 5]], 2: [[0, 1, 2], [3, 4, 5]], 3: [[0, 1], [2, 3], [4, 5]]}
+
+
+def make_model(seed: int, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4)]
+    return torch.nn.Sequential(*layers).to(dtype)
+
+
+def make_optimizers(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+    inner = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    return inner, outer
+
+
+def backward(model: torch.nn.Module, rank: int, step: int) -> None:
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(8, 4, generator=gen, dtype=torch.float64).to(dtype)
+    y = (torch.rand(8, 4, generator=gen, dtype=torch.float64) * (rank + 1)).to(dtype)
+    ((model(x) - y) ** 2).mean().backward()
+
+
+def reference(world: int, dtype: torch.dtype, sync_every: int, fragments: int, delay: int, steps: int) -> list:
+    """Parameters of every replica after every step: ``history[step][rank]`` is a list of tensors."""
+    replicas = [make_model(0, dtype) for _ in range(world)]  # rank 0's initialization everywhere
+    inners = [make_optimizers(m)[0] for m in replicas]
+    glob = make_model(0, dtype)
+    outer = make_optimizers(glob)[1]
+    glob_params = list(glob.parameters())
+    offsets = [(i + 1) * sync_every // fragments % sync_every for i in range(fragments)]
+    waiting: list[tuple[int, int, list[torch.Tensor]]] = []
+
+    def apply(fragment: int, averages: list[torch.Tensor]) -> None:
+        members = FRAGMENTS[fragments][fragment]
+        for j, p in enumerate(glob_params):
+            p.grad = averages[members.index(j)] if j in members else None
+        outer.step()
+        with torch.no_grad():
+            for replica in replicas:
+                for j, p in enumerate(replica.parameters()):
+                    if j in members:
+                        p.copy_(glob_params[j])
+
+    history = []
+    for step in range(1, steps + 1):
+        for rank, (model, inner) in enumerate(zip(replicas, inners, strict=True)):
+            backward(model, rank, step)
+            inner.step()
+            inner.zero_grad()
+        for entry in [w for w in waiting if w[1] == step]:
+            waiting.remove(entry)
+            apply(entry[0], entry[2])
+        for fragment, offset in enumerate(offsets):
+            if step % sync_every != offset:
+                continue
+            averages = []
+            for j in FRAGMENTS[fragments][fragment]:
+                deltas = [glob_params[j].detach() - list(m.parameters())[j].detach() for m in replicas]
+                total = deltas[0].clone()
+                for d in deltas[1:]:
+                    total += d
+                averages.append(total / world)
+            if delay == 0:
+                apply(fragment, averages)
+            else:
+                waiting.append((fragment, step + delay, averages))
+        history.append([[p.detach().clone() for p in m.parameters()] for m in replicas])
+    return history
+
+
+def assert_matches(ours: list[torch.Tensor], theirs: list[torch.Tensor], world: int, what: str) -> None:
+    for a, b in zip(ours, theirs, strict=True):
+        if world == 2:
+            assert torch.equal(a, b), f"{what}: differs from the reference by {(a - b).abs().max().item():.3g}"
+        else:
+            torch.testing.assert_close(a, b, rtol=RTOL[a.dtype], atol=RTOL[a.dtype], msg=lambda m: f"{what}: {m}")
+
+
+CONFIGS = [
+    # (dtype, sync_every, fragments, fragment_sync_delay)
+    (torch.float64, 3, 1, 0),
+    (torch.float32, 3, 1, 0),
+    (torch.float64, 4, 2, 0),
+    (torch.float64, 4, 3, 1),
+    (torch.float32, 6, 3, 5),
+    (torch.float64, 1, 1, 0),
+]
+STEPS = 13
+
+
+def _against_reference(rank: int, world: int) -> None:
+    for dtype, sync_every, fragments, delay in CONFIGS:
+        what = f"{dtype}, H={sync_every}, F={fragments}, tau={delay}"
+        expected = reference(world, dtype, sync_every, fragments, delay, STEPS)
+        model = make_model(rank, dtype)  # different on every rank: the broadcast must equalize
+        opt = DiLoCoOptimizer(*make_optimizers(model), sync_every, None, fragments, delay)
+        assert opt._fragments == FRAGMENTS[fragments]
+        diverged = False
+        for step in range(1, STEPS + 1):
+            backward(model, rank, step)
+            opt.step()
+            opt.zero_grad()
+            params = [p.detach() for p in model.parameters()]
+            assert_matches(params, expected[step - 1][rank], world, f"{what}, step {step}")
+            diverged |= any(not torch.equal(a, b) for a, b in zip(params, expected[step - 1][(rank + 1) % world], strict=True))
+        assert diverged or sync_every == 1, f"{what}: replicas never differed, so averaging was not tested"
+        assert opt.inner_steps == STEPS
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_diloco_matches_reference(world: int) -> None:
+    run_ranks(_against_reference, world, timeout=240)
+
+
+def checkpoint(model: torch.nn.Module, opt: DiLoCoOptimizer) -> dict[str, Any]:
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+RESUME_CONFIGS = [(1, 0, None), (2, 3, None)]
+RESUME_AT = [2, 4, 5, 9]
+
+
+def _resume(rank: int, world: int, compressions: list[str | None]) -> None:
+    configs = [(f, d, c) for f, d, _ in RESUME_CONFIGS for c in compressions]
+    for fragments, delay, compression in configs:
+        what = f"F={fragments}, tau={delay}, compression={compression}"
+        model = make_model(rank, torch.float32)
+        opt = DiLoCoOptimizer(*make_optimizers(model), 4, None, fragments, delay, compression)
+        history, saved = [], {}
+        for step in range(1, STEPS + 1):
+            if step - 1 in RESUME_AT:
+                saved[step - 1] = checkpoint(model, opt)
+            backward(model, rank, step)
+            opt.step()
+            opt.zero_grad()
+            history.append([p.detach().clone() for p in model.parameters()])
+        for at, state in saved.items():
+            fresh = make_model(99, torch.float32)
+            resumed = DiLoCoOptimizer(*make_optimizers(fresh), 4, None, fragments, delay, compression)
+            fresh.load_state_dict(state["model"])
+            resumed.load_state_dict(state["opt"])
+            assert resumed.inner_steps == at
+            for step in range(at + 1, STEPS + 1):
+                backward(fresh, rank, step)
+                resumed.step()
+                resumed.zero_grad()
+                for a, b in zip(fresh.parameters(), history[step - 1], strict=True):
+                    assert torch.equal(a.detach(), b), f"{what}: resumed at {at}, step {step} differs"
+            assert resumed.bytes_sent == opt.bytes_sent
+
+
+@pytest.mark.timeout(300)
+def test_diloco_resumes_bit_identically() -> None:
+    run_ranks(_resume, 2, [None], timeout=240)
+
+
+def _bytes(rank: int, world: int) -> None:
+    model = make_model(rank, torch.float32)
+    numel = sum(p.numel() for p in model.parameters())
+    opt = DiLoCoOptimizer(*make_optimizers(model), 5)
+    for step in range(1, 11):
+        backward(model, rank, step)
+        opt.step()
+    # Two syncs of a ring allreduce of the fp32 parameters: 2 (n - 1) / n of their bytes each.
+    assert opt.bytes_sent == 2 * (2 * (world - 1) * numel * 4 // world)
+
+
+@pytest.mark.timeout(200)
+def test_diloco_counts_bytes() -> None:
+    run_ranks(_bytes, 3, timeout=150)
+
+
+def test_fragments_of_about_equal_bytes_in_order() -> None:
+    assert split_bytes([16, 4, 16, 4, 16, 4], 3) == [[0, 1], [2, 3], [4, 5]]
+    assert split_bytes([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]
+    assert split_bytes([1, 1, 100], 3) == [[0], [1], [2]]
+    assert split_bytes([5], 1) == [[0]]
+    assert sync_offsets(100, 4) == [25, 50, 75, 0]
+    assert sync_offsets(3, 1) == [0]
+    with pytest.raises(ValueError, match="fragments"):
+        split_bytes([1, 1], 3)

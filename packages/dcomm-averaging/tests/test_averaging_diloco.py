@@ -128,7 +128,8 @@ def _against_reference(rank: int, world: int) -> None:
             opt.zero_grad()
             params = [p.detach() for p in model.parameters()]
             assert_matches(params, expected[step - 1][rank], world, f"{what}, step {step}")
-            diverged |= any(not torch.equal(a, b) for a, b in zip(params, expected[step - 1][(rank + 1) % world], strict=True))
+            neighbour = expected[step - 1][(rank + 1) % world]
+            diverged |= any(not torch.equal(a, b) for a, b in zip(params, neighbour, strict=True))
         assert diverged or sync_every == 1, f"{what}: replicas never differed, so averaging was not tested"
         assert opt.inner_steps == STEPS
 

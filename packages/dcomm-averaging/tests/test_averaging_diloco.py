@@ -10,6 +10,7 @@ different initialization (the construction broadcast must fix it) and trains on 
 
 from __future__ import annotations
 
+import copy
 import io
 from typing import Any
 
@@ -182,7 +183,7 @@ def _resume(rank: int, world: int, compressions: list[str | None]) -> None:
 
 @pytest.mark.timeout(300)
 def test_diloco_resumes_bit_identically() -> None:
-    run_ranks(_resume, 2, [None], timeout=240)
+    run_ranks(_resume, 2, [None, "int4"], timeout=240)
 
 
 def _bytes(rank: int, world: int) -> None:
@@ -210,3 +211,119 @@ def test_fragments_of_about_equal_bytes_in_order() -> None:
     assert sync_offsets(3, 1) == [0]
     with pytest.raises(ValueError, match="fragments"):
         split_bytes([1, 1], 3)
+
+
+def _snapshot(opt: DiLoCoOptimizer) -> list[torch.Tensor]:
+    state = opt.state_dict()
+    extra = state["diloco"]
+    tensors = [*extra["global"], torch.tensor(state["step"])]
+    for optimizer_state in (state["state"], extra["outer"]["state"]):
+        tensors += [v.clone() for s in optimizer_state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    tensors += [t.clone() for f in extra["feedback"] if f is not None for t in f.values()]
+    return [t.clone() for t in tensors]
+
+
+def _validation(rank: int, world: int) -> None:
+    model = make_model(0, torch.float32)
+    inner, outer = make_optimizers(model)
+    bad_args: list[tuple[dict[str, Any], type[Exception], str]] = [
+        ({"inner": "adam"}, TypeError, "inner"),
+        ({"outer": inner}, ValueError, "outer"),
+        ({"outer": torch.optim.SGD(list(model.parameters())[:-1], lr=0.7)}, ValueError, "outer"),
+        ({"sync_every": 0}, ValueError, "sync_every"),
+        ({"sync_every": True}, ValueError, "sync_every"),
+        ({"fragments": 0}, ValueError, "fragments"),
+        ({"fragments": 7}, ValueError, "fragments: 7 is more than the 6 parameters"),
+        ({"fragment_sync_delay": -1}, ValueError, "fragment_sync_delay"),
+        ({"fragment_sync_delay": 4}, ValueError, "fragment_sync_delay: 4 must be smaller than sync_every=4"),
+        ({"compression": "int3"}, ValueError, "compression"),
+        ({"fragment_update_alpha": 1.0}, ValueError, "fragment_update_alpha"),
+        ({"offload_global": 1}, TypeError, "offload_global"),
+    ]
+    for change, error, message in bad_args:
+        kwargs: dict[str, Any] = {"inner": inner, "outer": outer, "sync_every": 4, **change}
+        with pytest.raises(error, match=message):
+            DiLoCoOptimizer(**kwargs)
+
+    opt = DiLoCoOptimizer(inner, outer, 4, None, 2, 2, "int8")
+    with pytest.raises(RuntimeError, match="add_param_group"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))]})
+    for step in range(1, 7):  # fragment 0 syncs at steps 2 and 6 (applied at 4 and 8), fragment 1 at 4 (at 6)
+        backward(model, rank, step)
+        opt.step()
+    good = checkpoint(model, opt)
+    assert [p["fragment"] for p in good["opt"]["diloco"]["pending"]] == [0]
+    for step in range(7, 10):  # move on, so that a half-applied load would show
+        backward(model, rank, step)
+        opt.step()
+    before = _snapshot(opt)
+
+    def corrupted(path: list[Any], value: Any) -> dict[str, Any]:
+        state = copy.deepcopy(good["opt"])
+        target = state
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+        return state
+
+    broken: list[tuple[Any, str]] = [
+        ([], "state_dict"),
+        (corrupted(["step"], -1), "step"),
+        (corrupted(["diloco", "config", "compression"], None), "compression"),
+        (corrupted(["diloco", "global", 0], torch.zeros(3)), r"global'\]\[0\]"),
+        (corrupted(["diloco", "feedback", 1], None), "feedback"),
+        (corrupted(["diloco", "pending", 0, "apply_step"], 99), "pending"),
+        (corrupted(["diloco", "outer", "param_groups"], []), "outer"),
+        (corrupted(["param_groups"], []), "param_groups"),
+    ]
+    for state_dict, message in broken:
+        with pytest.raises(ValueError, match=message):
+            opt.load_state_dict(state_dict)
+        after = _snapshot(opt)
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), f"{message}: half-applied load"
+
+
+@pytest.mark.timeout(200)
+def test_diloco_validates_arguments_and_checkpoints() -> None:
+    run_ranks(_validation, 1, timeout=150)
+
+
+def _offload(rank: int, world: int, device_type: str) -> None:
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    runs = []
+    for offload in (False, True):
+        model = make_model(rank, torch.float32).to(device)
+        opt = DiLoCoOptimizer(*make_optimizers(model), 3, None, 2, 1, "int4", offload_global=offload)
+        for step in range(1, STEPS + 1):
+            backward_on(model, rank, step, device)
+            opt.step()
+            opt.zero_grad()
+        runs.append([p.detach().cpu() for p in model.parameters()])
+        if offload:
+            assert all(g.device.type == "cpu" for g in opt._global)
+            moved = [v for s in opt.outer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            assert moved
+            assert all(v.device.type == "cpu" for v in moved if v.dim() > 0)
+            if device_type == "cuda":
+                assert all(g.is_pinned() for g in opt._global)
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True)), "offloading changed the result"
+
+
+def backward_on(model: torch.nn.Module, rank: int, step: int, device: torch.device) -> None:
+    if device.type == "cpu":
+        backward(model, rank, step)
+        return
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    x, y = torch.randn(8, 4, generator=gen), torch.rand(8, 4, generator=gen) * (rank + 1)
+    ((model(x.to(device)) - y.to(device)) ** 2).mean().backward()
+
+
+@pytest.mark.timeout(200)
+def test_diloco_offload_gives_the_same_result_on_cpu() -> None:
+    run_ranks(_offload, 2, "cpu", timeout=150)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_diloco_offload_keeps_global_and_outer_state_on_cpu_pinned() -> None:
+    run_ranks(_offload, 2, "cuda", backend="nccl", timeout=240)

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dcomm.core import quantization
+
 __all__ = ["BLOCK_SIZE", "COMPRESSIONS", "Feedback", "PendingAverage", "PseudoGradientExchange", "ReadyAverage"]
 
 COMPRESSIONS = (None, "bf16", "fp8", "int8", "int4")
@@ -50,23 +52,19 @@ class _Codec:
 
     def __init__(self, fmt: str) -> None:
         self.fmt = fmt
-        if fmt != "bf16":
-            from dcomm.core import quantization
-
-            self.quantization = quantization
 
     def row_bytes(self, numel: int) -> int:
         """Bytes of one encoded row of ``numel`` values: codes then scales."""
         if self.fmt == "bf16":
             return 2 * numel
-        return self.quantization.payload_bytes(numel, self.fmt, BLOCK_SIZE)
+        return quantization.payload_bytes(numel, self.fmt, BLOCK_SIZE)
 
     def encode(self, rows: torch.Tensor) -> torch.Tensor:
         """fp32 ``[k, c]`` to uint8 ``[k, row_bytes(c)]``."""
         k, c = rows.shape
         if self.fmt == "bf16":
             return rows.to(torch.bfloat16).view(torch.uint8).view(k, 2 * c)
-        codes, scales = self.quantization.quantize(rows, self.fmt, BLOCK_SIZE)
+        codes, scales = quantization.quantize(rows, self.fmt, BLOCK_SIZE)
         return torch.cat((codes.view(k, -1), scales.view(k, -1).view(torch.uint8)), dim=1)
 
     def decode(self, rows: torch.Tensor, numel: int) -> torch.Tensor:
@@ -74,10 +72,10 @@ class _Codec:
         k = rows.shape[0]
         if self.fmt == "bf16":
             return rows.contiguous().view(torch.bfloat16).to(torch.float32).view(k, numel)
-        code = self.quantization.code_bytes(numel, self.fmt, BLOCK_SIZE)
+        code = quantization.code_bytes(numel, self.fmt, BLOCK_SIZE)
         codes = rows[:, :code].reshape(-1)
         scales = rows[:, code:].contiguous().view(torch.float32).reshape(-1)
-        return self.quantization.dequantize(codes, scales, self.fmt, k * numel, BLOCK_SIZE).view(k, numel)
+        return quantization.dequantize(codes, scales, self.fmt, k * numel, BLOCK_SIZE).view(k, numel)
 
 
 @dataclass

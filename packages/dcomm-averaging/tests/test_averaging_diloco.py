@@ -47,7 +47,9 @@ def backward(model: torch.nn.Module, rank: int, step: int) -> None:
     ((model(x) - y) ** 2).mean().backward()
 
 
-def reference(world: int, dtype: torch.dtype, sync_every: int, fragments: int, delay: int, steps: int) -> list:
+def reference(
+    world: int, dtype: torch.dtype, sync_every: int, fragments: int, delay: int, alpha: float, steps: int
+) -> list:
     """Parameters of every replica after every step: ``history[step][rank]`` is a list of tensors."""
     replicas = [make_model(0, dtype) for _ in range(world)]  # rank 0's initialization everywhere
     inners = [make_optimizers(m)[0] for m in replicas]
@@ -66,7 +68,8 @@ def reference(world: int, dtype: torch.dtype, sync_every: int, fragments: int, d
             for replica in replicas:
                 for j, p in enumerate(replica.parameters()):
                     if j in members:
-                        p.copy_(glob_params[j])
+                        local = p.detach().clone()
+                        p.copy_(glob_params[j]).lerp_(local, alpha)
 
     history = []
     for step in range(1, steps + 1):
@@ -104,23 +107,25 @@ def assert_matches(ours: list[torch.Tensor], theirs: list[torch.Tensor], world: 
 
 
 CONFIGS = [
-    # (dtype, sync_every, fragments, fragment_sync_delay)
-    (torch.float64, 3, 1, 0),
-    (torch.float32, 3, 1, 0),
-    (torch.float64, 4, 2, 0),
-    (torch.float64, 4, 3, 1),
-    (torch.float32, 6, 3, 5),
-    (torch.float64, 1, 1, 0),
+    # (dtype, sync_every, fragments, fragment_sync_delay, fragment_update_alpha)
+    (torch.float64, 3, 1, 0, 0.0),
+    (torch.float32, 3, 1, 0, 0.0),
+    (torch.float64, 4, 2, 0, 0.0),
+    (torch.float64, 4, 3, 1, 0.0),
+    (torch.float32, 6, 3, 5, 0.0),
+    (torch.float64, 1, 1, 0, 0.0),
+    (torch.float64, 4, 2, 2, 0.5),
 ]
 STEPS = 13
 
 
 def _against_reference(rank: int, world: int) -> None:
-    for dtype, sync_every, fragments, delay in CONFIGS:
-        what = f"{dtype}, H={sync_every}, F={fragments}, tau={delay}"
-        expected = reference(world, dtype, sync_every, fragments, delay, STEPS)
+    for dtype, sync_every, fragments, delay, alpha in CONFIGS:
+        what = f"{dtype}, H={sync_every}, F={fragments}, tau={delay}, alpha={alpha}"
+        expected = reference(world, dtype, sync_every, fragments, delay, alpha, STEPS)
         model = make_model(rank, dtype)  # different on every rank: the broadcast must equalize
-        opt = DiLoCoOptimizer(*make_optimizers(model), sync_every, None, fragments, delay)
+        optimizers = make_optimizers(model)
+        opt = DiLoCoOptimizer(*optimizers, sync_every, None, fragments, delay, fragment_update_alpha=alpha)
         assert opt._fragments == FRAGMENTS[fragments]
         diverged = False
         for step in range(1, STEPS + 1):

@@ -87,3 +87,52 @@ def _training(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_compressed_training_stays_close_to_uncompressed(world: int) -> None:
     run_ranks(_training, world, timeout=240)
+
+
+class Shapes(torch.nn.Module):
+    """A channels-last conv weight (4-D, permuted strides), a 0-dim scale, a bias and a 3-D tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 5, 3).to(memory_format=torch.channels_last)
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+        self.mix = torch.nn.Parameter(torch.randn(2, 5, 5) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x).mean(dim=(2, 3))
+        return (self.scale * torch.einsum("bi,kij->bkj", y, self.mix)).flatten(1)
+
+
+def _any_shape(rank: int, world: int) -> None:
+    finals = {}
+    for compression in (None, "int4"):
+        torch.manual_seed(rank)
+        model = Shapes()
+        inner = torch.optim.AdamW(model.parameters(), lr=0.02)
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        opt = DiLoCoOptimizer(inner, outer, 3, None, 2, 0, compression)
+        for step in range(1, 10):
+            gen = torch.Generator().manual_seed(100 * rank + step)
+            x = torch.randn(4, 3, 6, 6, generator=gen).to(memory_format=torch.channels_last)
+            (model(x) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            params = list(model.parameters())
+            assert opt._offsets == [1, 0]  # fragment 0 syncs at steps 1, 4, 7; fragment 1 at 3, 6, 9
+            synced = {1: 0, 0: 1}.get(step % 3)
+            for fragment, members in enumerate(opt._fragments):
+                flat = torch.cat([params[j].detach().reshape(-1) for j in members])
+                gathered = [torch.empty_like(flat) for _ in range(world)]
+                dist.all_gather(gathered, flat)
+                same = all(torch.equal(g, flat) for g in gathered)
+                assert same == (fragment == synced), f"{compression}, step {step}, fragment {fragment}: {same}"
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
+        finals[compression] = flat
+    distance = (finals["int4"] - finals[None]).abs().max() / finals[None].abs().max()
+    assert 0 < distance <= TRAINING_RTOL["int4"], f"int4 is {distance:.3g} of the largest parameter away"
+
+
+@pytest.mark.timeout(200)
+def test_compressed_sync_of_any_shape_and_layout() -> None:
+    run_ranks(_any_shape, 2, timeout=150)

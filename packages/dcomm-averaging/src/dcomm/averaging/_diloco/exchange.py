@@ -95,6 +95,7 @@ class PendingAverage:
         self._feedback = feedback
         self._result: torch.Tensor | None = None
         self._stage = 1
+        self._sent: torch.Tensor | None = None
         group, world = exchange.group, exchange.world
         if exchange.codec is None:
             self._buffer = flat
@@ -108,6 +109,7 @@ class PendingAverage:
         sent = exchange.codec.encode(padded.view(world, chunk))
         feedback.sent.copy_(padded[: self._numel])
         feedback.sent.sub_(exchange.codec.decode(sent, chunk).view(-1)[: self._numel])
+        self._sent = sent  # alive until the collective is done with it
         self._buffer = torch.empty_like(sent)
         self._work = dist.all_to_all_single(self._buffer, sent, group=group, async_op=True)
         exchange.bytes_sent += (world - 1) * sent.shape[1]
@@ -125,6 +127,7 @@ class PendingAverage:
         mine.add_(self._feedback.chunk)
         sent = exchange.codec.encode(mine.view(1, chunk))
         self._feedback.chunk.copy_(mine).sub_(exchange.codec.decode(sent, chunk).view(-1))
+        self._sent = sent
         self._buffer = sent.new_empty((exchange.world, sent.shape[1]))
         self._work = _all_gather(self._buffer, sent, exchange.group)
         exchange.bytes_sent += (exchange.world - 1) * sent.shape[1]
@@ -141,6 +144,7 @@ class PendingAverage:
         else:
             chunk = exchange.chunk_numel(self._numel)
             self._result = exchange.codec.decode(self._buffer, chunk).view(-1)[: self._numel]
+        self._sent = None
         del self._buffer, self._work
         return self._result
 

@@ -164,7 +164,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 "DiLoCoOptimizer needs them on one device (one optimizer pair per device)"
             )
         self.process_group = resolve_group(process_group)
-        if dist._rank_not_in_group(self.process_group):
+        if dist.get_rank(self.process_group) < 0:  # -1: not a member
             raise ValueError("process_group: this rank is not a member; build the optimizer on its members only")
         if len(self._params) < self.fragments:
             raise ValueError(

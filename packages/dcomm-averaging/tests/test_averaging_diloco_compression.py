@@ -103,17 +103,18 @@ class Shapes(torch.nn.Module):
         return (self.scale * torch.einsum("bi,kij->bkj", y, self.mix)).flatten(1)
 
 
-def _any_shape(rank: int, world: int) -> None:
+def _any_shape(rank: int, world: int, device_type: str) -> None:
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     finals = {}
     for compression in (None, "int4"):
         torch.manual_seed(rank)
-        model = Shapes()
+        model = Shapes().to(device)
         inner = torch.optim.AdamW(model.parameters(), lr=0.02)
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
         opt = DiLoCoOptimizer(inner, outer, 3, None, 2, 0, compression)
         for step in range(1, 10):
             gen = torch.Generator().manual_seed(100 * rank + step)
-            x = torch.randn(4, 3, 6, 6, generator=gen).to(memory_format=torch.channels_last)
+            x = torch.randn(4, 3, 6, 6, generator=gen).to(device, memory_format=torch.channels_last)
             (model(x) ** 2).mean().backward()
             opt.step()
             opt.zero_grad()
@@ -128,11 +129,17 @@ def _any_shape(rank: int, world: int) -> None:
                 assert same == (fragment == synced), f"{compression}, step {step}, fragment {fragment}: {same}"
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
-        finals[compression] = flat
+        finals[compression] = flat.cpu()
     distance = (finals["int4"] - finals[None]).abs().max() / finals[None].abs().max()
     assert 0 < distance <= TRAINING_RTOL["int4"], f"int4 is {distance:.3g} of the largest parameter away"
 
 
 @pytest.mark.timeout(200)
 def test_compressed_sync_of_any_shape_and_layout() -> None:
-    run_ranks(_any_shape, 2, timeout=150)
+    run_ranks(_any_shape, 2, "cpu", timeout=150)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_compressed_sync_on_nccl() -> None:
+    run_ranks(_any_shape, 2, "cuda", backend="nccl", timeout=240)

@@ -1,0 +1,134 @@
+"""The benchmark's statistics, plan and implementation table, on synthetic numbers (no processes)."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+
+import pytest
+
+from tools.bench.ab import Pair, VariantResult, bootstrap_median_interval, compare, median_ratio_interval
+from tools.bench.cli import parse_args, planned_runs, policy_of
+from tools.bench.report import table_lines
+from tools.impls import IMPLEMENTATIONS, resolve
+
+
+def test_median_ratio_pairs_rounds_not_medians() -> None:
+    # Per-round ratios are 2, 2, 2 although the per-variant medians (20 and 4) give 5.
+    a = [2.0, 20.0, 200.0]
+    b = [1.0, 10.0, 100.0]
+    b_shuffled = [1.0, 4.0, 100.0]
+    assert median_ratio_interval(a, b) == (2.0, 2.0, 2.0)
+    ratio, low, high = median_ratio_interval(a, b_shuffled)
+    assert ratio == 2.0
+    assert (low, high) == (2.0, 5.0)
+
+
+def test_median_ratio_ignores_one_outlier_round() -> None:
+    a = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0, 1.02, 0.98, 1.0, 9.0]
+    b = [1.0] * len(a)
+    ratio, low, high = median_ratio_interval(a, b)
+    assert ratio == 1.0
+    assert 0.9 <= low <= ratio <= high <= 1.1
+
+
+def _exact_bootstrap_quantiles(values: list[float], level: float) -> tuple[float, float]:
+    """The interval from every resample of ``values`` (exact, for a handful of values)."""
+    medians = sorted(statistics.median(draw) for draw in itertools.product(values, repeat=len(values)))
+    tail = (1 - level) / 2
+    return medians[int(tail * len(medians))], medians[int((1 - tail) * len(medians))]
+
+
+@pytest.mark.parametrize("values", [[1.0, 2.0, 3.0, 4.0, 5.0], [0.95, 0.97, 1.0, 1.01, 1.3], [3.0, 1.0, 2.0, 2.0]])
+def test_bootstrap_interval_matches_exact_resampling(values: list[float]) -> None:
+    low, high = bootstrap_median_interval(values, draws=20000)
+    assert (low, high) == _exact_bootstrap_quantiles(values, 0.95)
+
+
+def test_bootstrap_interval_is_reproducible_and_brackets_the_median() -> None:
+    values = [1.0 + 0.01 * ((7 * i) % 13) for i in range(40)]
+    assert bootstrap_median_interval(values) == bootstrap_median_interval(values)
+    low, high = bootstrap_median_interval(values)
+    assert low <= statistics.median(values) <= high
+    assert low > min(values)
+    assert high < max(values)
+    with pytest.raises(ValueError, match="values"):
+        bootstrap_median_interval([])
+
+
+def test_compare_reports_ratio_wins_and_errors() -> None:
+    variants = {
+        "dcomm": VariantResult(samples_s=[0.9, 1.8, 1.1]),
+        "torch": VariantResult(samples_s=[1.0, 2.0, 1.0]),
+        "broken": VariantResult(error="error: RuntimeError: boom (rank 1)"),
+    }
+    result = compare(Pair("x", "dcomm", "torch", "dcomm/torch"), variants)
+    assert result.ratio == pytest.approx(0.9)
+    assert result.faster_rounds == 2
+    assert result.rounds == 3
+    assert result.low <= result.ratio <= result.high
+    failed = compare(Pair("x", "dcomm", "broken", "dcomm/torch"), variants)
+    assert failed.ratio is None
+    assert failed.error == "broken: error: RuntimeError: boom (rank 1)"
+    assert compare(Pair("x", "dcomm", "missing", "dcomm/torch"), variants).error == "missing: not measured"
+    with pytest.raises(ValueError, match="kind"):
+        Pair("x", "a", "b", "dcomm/dcomm")
+
+
+def test_plan_runs_each_training_case_on_every_workload_and_precision() -> None:
+    args = parse_args(["--workload", "mlp-deep", "transformer", "--precision", "tf32", "bf16-autocast"])
+    runs = planned_runs(args)
+    training = [run for run in runs if run[0] == "ddp"]
+    assert training == [
+        ("ddp", "mlp-deep", "tf32"),
+        ("ddp", "mlp-deep", "bf16-autocast"),
+        ("ddp", "transformer", "tf32"),
+        ("ddp", "transformer", "bf16-autocast"),
+    ]
+    averaging = [run for run in runs if run[0] == "averaging"]
+    assert averaging == [("averaging", "mlp-deep", "-"), ("averaging", "transformer", "-")]
+    assert runs[-1] == ("hook-latency", "-", "-")
+    assert len(runs) == 2 * 2 * 5 + 2 + 1
+    everything = parse_args(["--workload", "all", "--precision", "all"])
+    assert everything.workload == ["mlp-wide", "mlp-deep", "transformer"]
+    assert everything.precision == ["fp32", "tf32", "bf16-autocast"]
+
+
+def test_policy_flags_override_the_defaults() -> None:
+    policy = policy_of(parse_args(["--quick", "--case-budget-s", "2.5", "--max-rounds", "9"]))
+    assert (policy.budget_s, policy.min_rounds, policy.max_rounds) == (2.5, 3, 9)
+    with pytest.raises(SystemExit):
+        parse_args(["--min-rounds", "5", "--max-rounds", "4"])
+
+
+@pytest.mark.parametrize(("name", "impl"), [(n, i) for n in IMPLEMENTATIONS for i in ("torch", "dcomm")])
+def test_every_table_entry_resolves(name: str, impl: str) -> None:
+    obj = resolve(impl, name)
+    assert callable(obj)
+    short = name.rsplit(".", 1)[-1]
+    assert obj.__name__.endswith(short)  # dcomm's bf16 hook is named dcomm_bf16_compress_hook
+    assert obj.__module__.split(".")[0] == impl
+
+
+def test_resolve_names_a_wrong_argument() -> None:
+    with pytest.raises(ValueError, match="impl"):
+        resolve("deepspeed", "allreduce_hook")
+    with pytest.raises(ValueError, match="powersgd_hook"):
+        resolve("torch", "powersgd_hook")
+
+
+def test_table_lines_show_ratio_interval_and_errors() -> None:
+    from tools.bench.ab import CaseResult
+
+    variants = {
+        "dcomm": VariantResult(samples_s=[0.001, 0.002], details={"rs buckets": "2/2"}),
+        "torch": VariantResult(samples_s=[0.001, 0.002]),
+        "ref": VariantResult(error="error: RuntimeError: boom (rank 0)"),
+    }
+    pairs = [compare(Pair("zero/step", "dcomm", "torch", "dcomm/torch"), variants)]
+    pairs.append(compare(Pair("zero/step", "dcomm", "ref", "dcomm/reference"), variants))
+    lines = table_lines([CaseResult("zero", "mlp-deep", "tf32", 1, 2, 1.0, {}, variants, pairs)])
+    assert "95% interval" in lines[0]
+    assert "1.000-1.000" in lines[2]
+    assert "rs buckets=2/2" in lines[4]
+    assert lines[5] == "    ref: error: RuntimeError: boom (rank 0)"

@@ -1,0 +1,88 @@
+"""Parameter averaging of the workload's parameters: ``average_parameters`` vs a raw allreduce.
+
+Every variant averages the same bytes ten times per step (back to back, the throughput of a
+periodic averager): torch's and dcomm's ``average_parameters`` over separate tensors of the
+workload's shapes, dcomm's over the same tensors carved out of one buffer, and one flat
+allreduce of the same number of elements (the reference).
+
+Example::
+
+    >>> case = averaging_case(ctx)  # doctest: +SKIP
+    >>> [pair.kind for pair in case.pairs][:2]  # doctest: +SKIP
+    ['dcomm/torch', 'dcomm/reference']
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tools.bench.ab import Case, Pair, Variant
+from tools.bench.cases.common import Context
+from tools.impls import resolve
+
+__all__ = ["CALLS_PER_STEP", "averaging_case"]
+
+CALLS_PER_STEP = 10
+"""Back-to-back averaging calls per timed step."""
+
+
+def parameter_shapes(ctx: Context) -> list[torch.Size]:
+    """The shapes of the workload's parameters (built on the meta device: no memory)."""
+    return [p.shape for p in ctx.workload.build(torch.device("meta")).parameters()]
+
+
+def averaged_tensors(ctx: Context, flattened: bool) -> list[nn.Parameter]:
+    """This rank's parameters (filled with its rank): separate tensors or views of one buffer."""
+    shapes = parameter_shapes(ctx)
+    value = float(ctx.bench.rank)
+    if not flattened:
+        return [nn.Parameter(torch.full(shape, value, device=ctx.device), requires_grad=False) for shape in shapes]
+    flat = torch.full((sum(shape.numel() for shape in shapes),), value, device=ctx.device)
+    pieces = flat.split([shape.numel() for shape in shapes])
+    return [nn.Parameter(piece.view(shape), requires_grad=False) for piece, shape in zip(pieces, shapes, strict=True)]
+
+
+def build_raw_allreduce(ctx: Context) -> Variant:
+    flat = torch.ones(sum(shape.numel() for shape in parameter_shapes(ctx)), device=ctx.device)
+
+    def step() -> None:
+        for _ in range(CALLS_PER_STEP):
+            dist.all_reduce(flat)
+
+    return Variant(step)
+
+
+def build_average_parameters(ctx: Context, impl: str, flattened: bool = False) -> Variant:
+    average_parameters = resolve(impl, "average_parameters")
+    params = averaged_tensors(ctx, flattened)
+    group = dist.group.WORLD
+
+    def step() -> None:
+        for _ in range(CALLS_PER_STEP):
+            average_parameters(iter(params), group)
+
+    return Variant(step)
+
+
+def averaging_case(ctx: Context) -> Case:
+    shapes = parameter_shapes(ctx)
+    variants = {
+        "raw allreduce": lambda: build_raw_allreduce(ctx),
+        "torch": lambda: build_average_parameters(ctx, "torch"),
+        "dcomm": lambda: build_average_parameters(ctx, "dcomm"),
+        "dcomm flattened": lambda: build_average_parameters(ctx, "dcomm", flattened=True),
+    }
+    pairs = [
+        Pair("averaging", "dcomm", "torch", "dcomm/torch"),
+        Pair("averaging", "dcomm", "raw allreduce", "dcomm/reference"),
+        Pair("averaging", "torch", "raw allreduce", "torch/reference"),
+        Pair("averaging/flattened", "dcomm flattened", "raw allreduce", "dcomm/reference"),
+    ]
+    details = {
+        "MiB": round(sum(s.numel() for s in shapes) * 4 / 2**20, 1),
+        "tensors": len(shapes),
+        "calls per step": CALLS_PER_STEP,
+    }
+    return Case("averaging", variants, pairs, details=details)

@@ -1,0 +1,72 @@
+"""Post-local SGD with periodic and hierarchical model averaging, dcomm's and torch's.
+
+Each round times 4 steps, one full period of every averager; the references are DDP's built-in
+allreduce every step. After ``START_LOCAL_SGD_ITER`` warm-up steps the hook stops communicating
+gradients (pure local SGD) and the averagers take over.
+
+Example::
+
+    >>> case = post_local_sgd_case(ctx)  # doctest: +SKIP
+    >>> case.steps_per_round  # doctest: +SKIP
+    4
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from tools.bench.ab import Case, Pair, Variant
+from tools.bench.cases.common import LR, Context, impl_pairs, train_step
+from tools.bench.cases.ddp import build_ddp
+from tools.impls import resolve
+
+__all__ = ["PERIOD", "START_LOCAL_SGD_ITER", "hierarchy", "post_local_sgd_case"]
+
+START_LOCAL_SGD_ITER = 2
+"""Global allreduce steps before local SGD starts (= the averagers' warm-up)."""
+
+PERIOD = 4
+"""The longest averaging period; one round holds one full period."""
+
+
+def hierarchy(world: int) -> collections.OrderedDict[int, int]:
+    """Every 2 steps average within halves of the world, every 4 steps over all of it."""
+    levels: collections.OrderedDict[int, int] = collections.OrderedDict()
+    if world >= 4 and world % 2 == 0:
+        levels[2] = world // 2
+    levels[PERIOD] = world
+    return levels
+
+
+def build_post_local_sgd(ctx: Context, impl: str, averaging: str) -> Variant:
+    """DDP + the post-local SGD hook (no gradient allreduce after the switch) + an averaging optimizer."""
+    ddp = ctx.ddp(ctx.model())
+    state = resolve(impl, "PostLocalSGDState")(
+        process_group=None, subgroup=None, start_localSGD_iter=START_LOCAL_SGD_ITER, post_local_gradient_allreduce=False
+    )
+    ddp.register_comm_hook(state, resolve(impl, "post_localSGD_hook"))
+    if averaging == "periodic":
+        averager = resolve(impl, "PeriodicModelAverager")(period=PERIOD, warmup_steps=START_LOCAL_SGD_ITER)
+    else:
+        averager = resolve(impl, "HierarchicalModelAverager")(
+            period_group_size_dict=hierarchy(ctx.world), warmup_steps=START_LOCAL_SGD_ITER
+        )
+    sgd = torch.optim.SGD(ddp.parameters(), lr=LR)
+    optimizer = resolve(impl, "PostLocalSGDOptimizer")(optim=sgd, averager=averager)
+    return Variant(train_step(ctx, ddp, optimizer))
+
+
+def post_local_sgd_case(ctx: Context) -> Case:
+    variants = {"ddp builtin": lambda: build_ddp(ctx, None)}
+    pairs: list[Pair] = []
+    for averaging in ("periodic", "hierarchical"):
+        for impl in ("torch", "dcomm"):
+            variants[f"{impl} {averaging}"] = lambda impl=impl, averaging=averaging: build_post_local_sgd(
+                ctx, impl, averaging
+            )
+        pairs += impl_pairs(f"post-local-sgd/{averaging}", f"dcomm {averaging}", f"torch {averaging}", "ddp builtin")
+    levels = ", ".join(f"{period}:{size}" for period, size in hierarchy(ctx.world).items())
+    details = {"levels": levels}
+    return Case("post-local-sgd", variants, pairs, steps_per_round=PERIOD, warmup_steps=PERIOD, details=details)

@@ -1,0 +1,201 @@
+"""The models every training case runs on, at three sizes, and the numeric precisions.
+
+- ``mlp-wide``: a few very wide Linear layers (each weight its own DDP bucket);
+- ``mlp-deep``: 16 Linear layers with biases (32 tensors of two sizes);
+- ``transformer``: GPT-shaped (token and position embeddings, pre-LN blocks with attention and
+  an MLP, biases, a final LayerNorm and an LM head; 149 tensors at 12 layers).
+
+Each comes in a ``large`` size (GPUs, fast link), a ``large-slow`` size (GPUs on the emulated
+slow link, ~1 GB/s) and a ``small`` size (gloo on CPU, seconds per case). Precisions: ``fp32``
+(TF32 off), ``tf32`` (TF32 matmuls and convolutions) and ``bf16-autocast`` (TF32 on, forward
+under ``torch.autocast`` in bfloat16). Every rank builds the same model (seeded) and its own
+batch (seeded by rank), so gradients differ between ranks.
+
+Example::
+
+    >>> workload = WORKLOADS["transformer"]["small"]
+    >>> model = workload.build(torch.device("cpu"))
+    >>> len(list(model.parameters())) >= 20
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["PRECISIONS", "SIZE_TIERS", "WORKLOADS", "MLPWorkload", "TransformerWorkload", "Workload", "precision_scope"]
+
+PRECISIONS = ("fp32", "tf32", "bf16-autocast")
+SIZE_TIERS = ("large", "large-slow", "small")
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def set_tf32(enabled: bool) -> None:
+    """TF32 matmuls (and cuDNN convolutions) on or off for the whole process."""
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+@contextlib.contextmanager
+def precision_scope(precision: str, device: torch.device):
+    """Run a forward pass in ``precision`` (TF32 is set process-wide; autocast only inside)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
+    if precision == "bf16-autocast":
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            yield
+    else:
+        yield
+
+
+@dataclass(frozen=True)
+class MLPWorkload:
+    """``depth`` Linear layers of ``width`` x ``width`` (with biases), ReLU between, squared loss."""
+
+    name: str
+    width: int
+    depth: int
+    batch: int
+
+    @property
+    def unit_types(self) -> tuple[type[nn.Module], ...]:
+        """Module types that FSDP wraps (or ``fully_shard`` shards) as one unit each."""
+        return (nn.Linear,)
+
+    @property
+    def parameters(self) -> int:
+        return self.depth * (self.width * self.width + self.width)
+
+    def build(self, device: torch.device) -> nn.Module:
+        torch.manual_seed(0)
+        layers: list[nn.Module] = []
+        for index in range(self.depth):
+            layers.append(nn.Linear(self.width, self.width, device=device))
+            if index < self.depth - 1:
+                layers.append(nn.ReLU())
+        return nn.Sequential(*layers)
+
+    def make_batch(self, device: torch.device) -> Batch:
+        generator = torch.Generator().manual_seed(1000 + _rank())
+        inputs = torch.randn(self.batch, self.width, generator=generator).to(device)
+        return inputs, inputs
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return model(batch[0]).float().square().mean()
+
+
+class Block(nn.Module):
+    """A pre-LN transformer block: causal self-attention and a 4x GELU MLP, each residual."""
+
+    def __init__(self, width: int, heads: int, device: torch.device) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width, device=device)
+        self.qkv = nn.Linear(width, 3 * width, device=device)
+        self.proj = nn.Linear(width, width, device=device)
+        self.ln2 = nn.LayerNorm(width, device=device)
+        self.fc = nn.Linear(width, 4 * width, device=device)
+        self.out = nn.Linear(4 * width, width, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, width = x.shape
+        qkv = self.qkv(self.ln1(x)).view(batch, tokens, 3, self.heads, width // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, tokens, width))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, ``layers`` blocks, a final LayerNorm and an LM head."""
+
+    def __init__(self, vocab: int, tokens: int, width: int, layers: int, heads: int, device: torch.device) -> None:
+        super().__init__()
+        self.token = nn.Embedding(vocab, width, device=device)
+        self.position = nn.Embedding(tokens, width, device=device)
+        self.blocks = nn.ModuleList(Block(width, heads, device) for _ in range(layers))
+        self.ln = nn.LayerNorm(width, device=device)
+        self.head = nn.Linear(width, vocab, bias=False, device=device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.token(ids) + self.position(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+@dataclass(frozen=True)
+class TransformerWorkload:
+    """A GPT-shaped language model trained on random tokens with cross-entropy."""
+
+    name: str
+    vocab: int
+    tokens: int
+    width: int
+    layers: int
+    heads: int
+    batch: int
+
+    @property
+    def unit_types(self) -> tuple[type[nn.Module], ...]:
+        return (Block,)
+
+    @property
+    def parameters(self) -> int:
+        per_block = 12 * self.width * self.width + 13 * self.width
+        return (self.vocab * 2 + self.tokens) * self.width + self.layers * per_block + 2 * self.width
+
+    def build(self, device: torch.device) -> nn.Module:
+        torch.manual_seed(0)
+        return GPT(self.vocab, self.tokens, self.width, self.layers, self.heads, device)
+
+    def make_batch(self, device: torch.device) -> Batch:
+        generator = torch.Generator().manual_seed(1000 + _rank())
+        ids = torch.randint(self.vocab, (self.batch, self.tokens + 1), generator=generator).to(device)
+        return ids[:, :-1], ids[:, 1:]
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        logits = model(batch[0])
+        return F.cross_entropy(logits.float().flatten(0, 1), batch[1].flatten())
+
+
+Workload = MLPWorkload | TransformerWorkload
+
+WORKLOADS: dict[str, dict[str, Workload]] = {
+    "mlp-wide": {
+        # 4 x 8192^2: 268M parameters, 1 GiB of fp32 gradients in 4 buckets of 256 MiB.
+        "large": MLPWorkload("mlp-wide", width=8192, depth=4, batch=64),
+        "large-slow": MLPWorkload("mlp-wide", width=2048, depth=4, batch=64),
+        "small": MLPWorkload("mlp-wide", width=256, depth=3, batch=16),
+    },
+    "mlp-deep": {
+        # 16 x 4096^2 with biases: 268M parameters in 32 tensors.
+        "large": MLPWorkload("mlp-deep", width=4096, depth=16, batch=256),
+        "large-slow": MLPWorkload("mlp-deep", width=1024, depth=16, batch=256),
+        "small": MLPWorkload("mlp-deep", width=64, depth=16, batch=32),
+    },
+    "transformer": {
+        # 12 layers, d_model 1024, 32K vocabulary: 218M parameters in 149 tensors, 8 x 512 tokens.
+        "large": TransformerWorkload("transformer", vocab=32768, tokens=512, width=1024, layers=12, heads=16, batch=8),
+        "large-slow": TransformerWorkload(
+            "transformer", vocab=8192, tokens=512, width=512, layers=12, heads=8, batch=8
+        ),
+        "small": TransformerWorkload("transformer", vocab=256, tokens=32, width=64, layers=2, heads=4, batch=4),
+    },
+}
+
+
+def parameter_mib(workload: Workload) -> float:
+    return round(workload.parameters * 4 / 2**20, 1)

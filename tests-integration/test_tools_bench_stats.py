@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import pathlib
 import statistics
 
 import pytest
@@ -10,6 +11,9 @@ import pytest
 from tools.bench.ab import Pair, VariantResult, bootstrap_median_interval, compare, median_ratio_interval
 from tools.bench.cli import parse_args, planned_runs, policy_of
 from tools.bench.report import table_lines
+from tools.bench_chart import chart_points, write_chart
+from tools.bench_results import rows_of
+from tools.bench_table import table
 from tools.impls import IMPLEMENTATIONS, resolve
 
 
@@ -132,3 +136,53 @@ def test_table_lines_show_ratio_interval_and_errors() -> None:
     assert "1.000-1.000" in lines[2]
     assert "rs buckets=2/2" in lines[4]
     assert lines[5] == "    ref: error: RuntimeError: boom (rank 0)"
+
+
+def _synthetic_run() -> dict[str, object]:
+    def variant(ms: list[float]) -> dict[str, object]:
+        return {"median_ms": statistics.median(ms), "samples_ms": ms, "peak_extra_bytes": 3 * 2**20, "details": {}}
+
+    pairs = [
+        {"label": "ddp/fp16", "a": "dcomm fp16", "b": "torch fp16", "kind": "dcomm/torch", "ratio": 0.9},
+        {"label": "ddp/fp16", "a": "dcomm fp16", "b": "builtin", "kind": "dcomm/reference", "ratio": 1.2},
+        {"label": "ddp/fp16", "a": "torch fp16", "b": "builtin", "kind": "torch/reference", "ratio": 1.3},
+        {"label": "ddp/bf16", "a": "dcomm bf16", "b": "torch bf16", "kind": "dcomm/torch", "error": "torch bf16: x"},
+    ]
+    for pair in pairs[:3]:
+        pair.update(low=pair["ratio"] - 0.05, high=pair["ratio"] + 0.05, faster_rounds=1, rounds=2)
+    variants = {
+        "dcomm fp16": variant([9.0, 9.0]),
+        "torch fp16": variant([10.0, 10.0]),
+        "builtin": variant([7.5, 7.5]),
+        "dcomm bf16": variant([9.0, 9.0]),
+        "torch bf16": {"error": "error: TypeError: BF16 all reduce needs NCCL (rank 0)"},
+    }
+    case = {"case": "ddp", "workload": "transformer", "precision": "tf32", "variants": variants, "pairs": pairs}
+    meta = {"world_size": 4, "device": "NVIDIA H100", "link": "fast", "torch": "2.11.0", "date": "2026-11-26T07:00"}
+    return {**meta, "results": [case]}
+
+
+def test_results_rows_table_and_chart_points_from_json(tmp_path: pathlib.Path) -> None:
+    run = _synthetic_run()
+    rows = rows_of(run)
+    assert [(r.label, r.workload, r.precision) for r in rows] == [
+        ("ddp/fp16", "transformer", "tf32"),
+        ("ddp/bf16", "transformer", "tf32"),
+    ]
+    assert rows[0].vs_torch.ratio == 0.9
+    assert [r.b for r in rows[0].vs_reference] == ["builtin"]
+    assert rows[0].milliseconds == {"dcomm fp16": 9.0, "torch fp16": 10.0, "builtin": 7.5}
+    markdown = table(run).splitlines()
+    assert markdown[0] == "**4x NVIDIA H100, fast link, torch 2.11.0, 2026-11-26**"
+    assert markdown[4] == (
+        "| ddp/fp16 | transformer | tf32 | 0.90 (0.85-0.95) | 1.20 (1.15-1.25) vs builtin | 9.00 | 10.00 | 3 | 3 |"
+    )
+    assert markdown[5].startswith("| ddp/bf16 | transformer | tf32 | n/a: x |")
+    torch_points = chart_points(rows, "torch")
+    expected_point = ("ddp/fp16 · transformer", "transformer", "tf32", 0.9)
+    assert [(p[0], p[1], p[2], p[3].ratio) for p in torch_points] == [expected_point]
+    assert [p[0] for p in chart_points(rows, "reference")] == ["ddp/fp16 · transformer (vs builtin)"]
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "chart.png"
+    write_chart([run], str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

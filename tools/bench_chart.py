@@ -2,8 +2,9 @@
 
 One figure per input file stacked vertically: the left panel shows dcomm over torch's
 counterpart, the right one dcomm over the case's reference (built-in allreduce, non-overlapped
-ZeRO, raw allreduce, FSDP's default). Each row is one case row on one workload, one marker per
-precision; left of the dashed line at 1.0 dcomm is faster. Needs matplotlib.
+ZeRO, raw allreduce, FSDP's default). Each row is one case row on one workload (colour), one
+marker per precision; left of the dashed line at 1.0 dcomm is faster. Ratios beyond 0.5-2.0 are
+drawn at the edge. Needs matplotlib.
 
 Example::
 
@@ -24,33 +25,46 @@ PRECISION_MARKERS = {"fp32": "o", "tf32": "s", "bf16-autocast": "D", "-": "o"}
 WORKLOAD_COLORS = {"mlp-wide": "tab:blue", "mlp-deep": "tab:orange", "transformer": "tab:green", "-": "tab:gray"}
 
 
-def chart_points(rows: list[ResultRow], kind: str) -> list[tuple[str, str, Ratio]]:
-    """(row title, precision, ratio) for every measured ratio of ``kind`` (``torch`` or ``reference``)."""
+Point = tuple[str, str, str, Ratio]
+"""(row title, workload, precision, ratio)."""
+
+X_LIMITS = (0.5, 2.0)
+"""Ratios outside are drawn at the edge (the interval is clipped)."""
+
+
+def chart_points(rows: list[ResultRow], kind: str) -> list[Point]:
+    """A point for every measured ratio of ``kind`` (``torch`` or ``reference``), in row order."""
     points = []
     for row in rows:
         ratios = [row.vs_torch] if kind == "torch" else row.vs_reference
         for ratio in ratios:
             if ratio is None or ratio.ratio is None:
                 continue
-            title = f"{row.label} · {row.workload}"
+            title = row.label if row.workload == "-" else f"{row.label} · {row.workload}"
             if kind == "reference":
                 title += f" (vs {ratio.b})"
-            points.append((title, row.precision, ratio))
+            points.append((title, row.workload, row.precision, ratio))
     return points
 
 
-def _panel(axis: Any, points: list[tuple[str, str, Ratio]], xlabel: str) -> None:
-    titles = list(dict.fromkeys(title for title, _, _ in points))
-    precisions = list(dict.fromkeys(precision for _, precision, _ in points))
+def _clip(value: float) -> float:
+    return min(max(value, X_LIMITS[0]), X_LIMITS[1])
+
+
+def _panel(axis: Any, points: list[Point], xlabel: str) -> None:
+    titles = list(dict.fromkeys(point[0] for point in points))
+    workloads = list(dict.fromkeys(point[1] for point in points))
+    precisions = list(dict.fromkeys(point[2] for point in points))
     offsets = {p: (i - (len(precisions) - 1) / 2) * 0.22 for i, p in enumerate(precisions)}
-    for title, precision, ratio in points:
+    for title, workload, precision, ratio in points:
         y = titles.index(title) + offsets[precision]
-        workload = title.split(" · ")[1].split(" ")[0]
-        low, high = ratio.low if ratio.low is not None else ratio.ratio, ratio.high or ratio.ratio
+        middle = _clip(ratio.ratio)
+        low = _clip(ratio.low if ratio.low is not None else ratio.ratio)
+        high = _clip(ratio.high if ratio.high is not None else ratio.ratio)
         axis.errorbar(
-            ratio.ratio,
+            middle,
             y,
-            xerr=[[ratio.ratio - low], [high - ratio.ratio]],
+            xerr=[[middle - low], [high - middle]],
             fmt=PRECISION_MARKERS.get(precision, "o"),
             color=WORKLOAD_COLORS.get(workload, "black"),
             markersize=4,
@@ -58,14 +72,19 @@ def _panel(axis: Any, points: list[tuple[str, str, Ratio]], xlabel: str) -> None
             linewidth=1,
         )
     axis.axvline(1.0, color="black", linestyle="--", linewidth=0.8)
+    axis.set_xlim(X_LIMITS[0] - 0.02, X_LIMITS[1] + 0.02)
     axis.set_yticks(range(len(titles)), titles, fontsize=7)
     axis.invert_yaxis()
     axis.set_xlabel(xlabel)
     axis.grid(axis="x", alpha=0.3)
     for precision in precisions:
-        axis.plot([], [], PRECISION_MARKERS.get(precision, "o"), color="gray", label=precision)
-    if precisions:
-        axis.legend(fontsize=7, loc="lower right")
+        if precision != "-":
+            axis.plot([], [], PRECISION_MARKERS.get(precision, "o"), color="gray", label=precision)
+    for workload in workloads:
+        if workload != "-":
+            axis.plot([], [], "s", color=WORKLOAD_COLORS.get(workload, "black"), label=workload)
+    if points:
+        axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def write_chart(runs: list[dict[str, Any]], out: str) -> None:

@@ -1,9 +1,9 @@
 """Parameter averaging of the workload's parameters: ``average_parameters`` vs a raw allreduce.
 
-Every variant averages the same bytes ten times per step (back to back, the throughput of a
-periodic averager): torch's and dcomm's ``average_parameters`` over separate tensors of the
-workload's shapes, dcomm's over the same tensors carved out of one buffer, and one flat
-allreduce of the same number of elements (the reference).
+Every variant averages the same bytes several times per step (back to back, the throughput of
+a periodic averager: 10 calls below 64 MiB, else 2): torch's and dcomm's ``average_parameters``
+over separate tensors of the workload's shapes, dcomm's over the same tensors carved out of one
+buffer, and one flat allreduce of the same number of elements (the reference).
 
 Example::
 
@@ -22,10 +22,12 @@ from tools.bench.ab import Case, Pair, Variant
 from tools.bench.cases.common import Context
 from tools.impls import resolve
 
-__all__ = ["CALLS_PER_STEP", "averaging_case"]
+__all__ = ["averaging_case", "calls_per_step"]
 
-CALLS_PER_STEP = 10
-"""Back-to-back averaging calls per timed step."""
+
+def calls_per_step(nbytes: int) -> int:
+    """Back-to-back averaging calls per timed step: enough to hide one call's start, few on big models."""
+    return 10 if nbytes < 64 * 2**20 else 2
 
 
 def parameter_shapes(ctx: Context) -> list[torch.Size]:
@@ -44,23 +46,23 @@ def averaged_tensors(ctx: Context, flattened: bool) -> list[nn.Parameter]:
     return [nn.Parameter(piece.view(shape), requires_grad=False) for piece, shape in zip(pieces, shapes, strict=True)]
 
 
-def build_raw_allreduce(ctx: Context) -> Variant:
+def build_raw_allreduce(ctx: Context, calls: int) -> Variant:
     flat = torch.ones(sum(shape.numel() for shape in parameter_shapes(ctx)), device=ctx.device)
 
     def step() -> None:
-        for _ in range(CALLS_PER_STEP):
+        for _ in range(calls):
             dist.all_reduce(flat)
 
     return Variant(step)
 
 
-def build_average_parameters(ctx: Context, impl: str, flattened: bool = False) -> Variant:
+def build_average_parameters(ctx: Context, impl: str, calls: int, flattened: bool = False) -> Variant:
     average_parameters = resolve(impl, "average_parameters")
     params = averaged_tensors(ctx, flattened)
     group = dist.group.WORLD
 
     def step() -> None:
-        for _ in range(CALLS_PER_STEP):
+        for _ in range(calls):
             average_parameters(iter(params), group)
 
     return Variant(step)
@@ -68,11 +70,13 @@ def build_average_parameters(ctx: Context, impl: str, flattened: bool = False) -
 
 def averaging_case(ctx: Context) -> Case:
     shapes = parameter_shapes(ctx)
+    nbytes = sum(s.numel() for s in shapes) * 4
+    calls = calls_per_step(nbytes)
     variants = {
-        "raw allreduce": lambda: build_raw_allreduce(ctx),
-        "torch": lambda: build_average_parameters(ctx, "torch"),
-        "dcomm": lambda: build_average_parameters(ctx, "dcomm"),
-        "dcomm flattened": lambda: build_average_parameters(ctx, "dcomm", flattened=True),
+        "raw allreduce": lambda: build_raw_allreduce(ctx, calls),
+        "torch": lambda: build_average_parameters(ctx, "torch", calls),
+        "dcomm": lambda: build_average_parameters(ctx, "dcomm", calls),
+        "dcomm flattened": lambda: build_average_parameters(ctx, "dcomm", calls, flattened=True),
     }
     pairs = [
         Pair("averaging", "dcomm", "torch", "dcomm/torch"),
@@ -80,9 +84,5 @@ def averaging_case(ctx: Context) -> Case:
         Pair("averaging", "torch", "raw allreduce", "torch/reference"),
         Pair("averaging/flattened", "dcomm flattened", "raw allreduce", "dcomm/reference"),
     ]
-    details = {
-        "MiB": round(sum(s.numel() for s in shapes) * 4 / 2**20, 1),
-        "tensors": len(shapes),
-        "calls per step": CALLS_PER_STEP,
-    }
+    details = {"MiB": round(nbytes / 2**20, 1), "tensors": len(shapes), "calls per step": calls}
     return Case("averaging", variants, pairs, details=details)

@@ -17,14 +17,17 @@ import os
 import sys
 import time
 import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+# This folder (the scenarios) and the repository root (the tools package, for the launch helpers).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import load_all
+
+from tools.launch import gather_errors, init_rank, side_group
 
 
 def main() -> int:
@@ -35,15 +38,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
     args = parser.parse_args()
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device_id = None
-    if args.backend == "nccl":
-        device_id = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device_id)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout), device_id=device_id)
+    init_rank(args.backend, args.timeout)  # NVLink multicast off, one GPU per rank under NCCL
     rank, world = dist.get_rank(), dist.get_world_size()
-    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
+    side = side_group(args.timeout)
 
     outcomes = []
     for sc in load_all():
@@ -58,9 +55,7 @@ def main() -> int:
         except Exception:
             error = traceback.format_exc()
         seconds = time.perf_counter() - start
-        errors: list[str] = [""] * world
-        dist.all_gather_object(errors, error, group=side)
-        failed = {r: e for r, e in enumerate(errors) if e}
+        failed = gather_errors(error, side)
         outcomes.append({"scenario": sc.name, "passed": not failed, "seconds": round(seconds, 3)})
         if rank == 0:
             status = "PASS" if not failed else f"FAIL on ranks {sorted(failed)}"

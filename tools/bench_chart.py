@@ -82,7 +82,7 @@ def _panel(axis: Any, points: list[Point], xlabel: str) -> None:
             axis.plot([], [], PRECISION_MARKERS.get(precision, "o"), color="gray", label=precision)
     for workload in workloads:
         if workload != "-":
-            axis.plot([], [], "s", color=WORKLOAD_COLORS.get(workload, "black"), label=workload)
+            axis.plot([], [], "-", linewidth=3, color=WORKLOAD_COLORS.get(workload, "black"), label=workload)
     if points:
         axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 

@@ -2,9 +2,9 @@
 
 Usage (no GPU needed; ``hatch run demo`` runs the same)::
 
-    python tools/demo.py                    # 4 gloo ranks on the CPU, 40 steps per algorithm
-    python tools/demo.py --world-size 2 --steps 10
-    python tools/demo.py --backend nccl     # one rank per GPU (auto picks it with enough GPUs)
+    python -m tools.demo                    # 4 gloo ranks on the CPU, 40 steps per algorithm
+    python -m tools.demo --world-size 2 --steps 10
+    python -m tools.demo --backend nccl     # one rank per GPU (auto picks it with enough GPUs)
 
 The demo starts the ranks itself (a process group over a ``FileStore``; ``LOCAL_WORLD_SIZE`` makes
 them look like two nodes, so hierarchical averaging and post-local SGD have intra-node groups),
@@ -36,6 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dcomm.core.testing import RankFailure, run_ranks
+from tools.impls import resolve
+from tools.launch import MULTICAST_OFF, agree_on_error
 
 FEATURES, HIDDEN, BATCH, EVAL_SAMPLES = 16, 64, 32, 256
 START_LOCAL_SGD_ITER = 4
@@ -128,12 +130,8 @@ LR = 0.05
 
 def build_ddp(ctx: Context, impl: str, hook_name: str) -> Trainee:
     """DDP with the hook ``hook_name`` (allreduce_hook, fp16_compress_hook, bf16_compress_hook)."""
-    if impl == "dcomm":
-        import dcomm.ddp as hooks
-    else:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as hooks
     ddp = ctx.ddp(ctx.problem.new_model())
-    ddp.register_comm_hook(None, getattr(hooks, hook_name))
+    ddp.register_comm_hook(None, resolve(impl, hook_name))
     return sgd_trainee(ddp, torch.optim.SGD(ddp.parameters(), lr=LR))
 
 
@@ -152,31 +150,18 @@ def build_post_local_sgd(ctx: Context, impl: str, averaging: str) -> Trainee:
     dcomm finds the intra-node groups itself (``subgroup=None``, from LOCAL_WORLD_SIZE); torch's
     would ask for one group per GPU, so it is handed the same groups explicitly.
     """
-    if impl == "dcomm":
-        from dcomm.averaging import HierarchicalModelAverager, PeriodicModelAverager, PostLocalSGDOptimizer
-        from dcomm.ddp import PostLocalSGDState, post_localSGD_hook
-
-        subgroup = None
-    else:
-        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
-            PostLocalSGDState,
-            post_localSGD_hook,
-        )
-        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-        from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
-            HierarchicalModelAverager,
-        )
-        from torch.distributed.optim import PostLocalSGDOptimizer
-
-        subgroup = ctx.node_group
+    subgroup = None if impl == "dcomm" else ctx.node_group
     ddp = ctx.ddp(ctx.problem.new_model())
-    state = PostLocalSGDState(process_group=None, subgroup=subgroup, start_localSGD_iter=START_LOCAL_SGD_ITER)
-    ddp.register_comm_hook(state, post_localSGD_hook)
+    state = resolve(impl, "PostLocalSGDState")(
+        process_group=None, subgroup=subgroup, start_localSGD_iter=START_LOCAL_SGD_ITER
+    )
+    ddp.register_comm_hook(state, resolve(impl, "post_localSGD_hook"))
     if averaging == "periodic":
-        averager = PeriodicModelAverager(period=PERIOD, warmup_steps=START_LOCAL_SGD_ITER)
+        averager = resolve(impl, "PeriodicModelAverager")(period=PERIOD, warmup_steps=START_LOCAL_SGD_ITER)
     else:
-        averager = HierarchicalModelAverager(hierarchy(ctx), warmup_steps=START_LOCAL_SGD_ITER)
-    optimizer = PostLocalSGDOptimizer(optim=torch.optim.SGD(ddp.parameters(), lr=LR), averager=averager)
+        averager = resolve(impl, "HierarchicalModelAverager")(hierarchy(ctx), warmup_steps=START_LOCAL_SGD_ITER)
+    sgd = torch.optim.SGD(ddp.parameters(), lr=LR)
+    optimizer = resolve(impl, "PostLocalSGDOptimizer")(optim=sgd, averager=averager)
     return sgd_trainee(ddp, optimizer)
 
 
@@ -184,15 +169,10 @@ def build_zero_overlap(ctx: Context, impl: str, wrapper_name: str) -> Trainee:
     """DDP + ZeroRedundancyOptimizer(Adam) stepping inside backward through ``wrapper_name``."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    if impl == "dcomm":
-        import dcomm.ddp as wrappers
-        from dcomm.ddp import allreduce_hook
-    else:
-        from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook as wrappers
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     ddp = ctx.ddp(ctx.problem.new_model())
     zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True, lr=0.01)
-    ddp.register_comm_hook(None, getattr(wrappers, wrapper_name)(allreduce_hook, ddp, zero))
+    hook = resolve(impl, wrapper_name)(resolve(impl, "allreduce_hook"), ddp, zero)
+    ddp.register_comm_hook(None, hook)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         zero.zero_grad()
@@ -205,15 +185,11 @@ def build_fsdp_bf16(ctx: Context, impl: str) -> Trainee:
     """FSDP (FULL_SHARD) reducing gradients in bf16 through ``bf16_compress_hook``."""
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-    if impl == "dcomm":
-        from dcomm.core import LowPrecisionState
-        from dcomm.fsdp import bf16_compress_hook
-    else:
-        from torch.distributed.algorithms._comm_hooks.default_hooks import LowPrecisionState, bf16_compress_hook
     model = FullyShardedDataParallel(
         ctx.problem.new_model(), sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=ctx.device
     )
-    model.register_comm_hook(LowPrecisionState(dist.group.WORLD, parameter_type=torch.float32), bf16_compress_hook)
+    state = resolve(impl, "LowPrecisionState")(dist.group.WORLD, parameter_type=torch.float32)
+    model.register_comm_hook(state, resolve(impl, "fsdp.bf16_compress_hook"))
     return sgd_trainee(model, torch.optim.SGD(model.parameters(), lr=LR))
 
 
@@ -347,13 +323,6 @@ def train(ctx: Context, trainee: Trainee, steps: int) -> tuple[float, float, flo
     return loss_before, ctx.problem.eval_loss(trainee.model), statistics.median(times) * 1e3
 
 
-def agree_on_error(error: str, side_group: dist.ProcessGroup) -> str:
-    """The first rank's error message, or '' when every rank succeeded."""
-    errors: list[str] = [""] * dist.get_world_size()
-    dist.all_gather_object(errors, error, group=side_group)
-    return next((f"{e} (rank {r})" for r, e in enumerate(errors) if e), "")
-
-
 def run_one(ctx: Context, algorithm: Algorithm, impl: str, steps: int, side: dist.ProcessGroup) -> RunResult:
     result = RunResult(algorithm.name, impl)
     error = ""
@@ -460,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     start = time.perf_counter()
-    env = {"LOCAL_WORLD_SIZE": str(node_size), "NCCL_NVLS_ENABLE": "0"}
+    env = {"LOCAL_WORLD_SIZE": str(node_size), **MULTICAST_OFF}
     try:
         per_rank = run_ranks(
             rank_main, args.world_size, args.steps, node_size, backend=backend, timeout=args.timeout, env=env

@@ -5,8 +5,8 @@ Works on any GPU host without hatch or network: when ``dcomm`` is not installed,
 
 Example::
 
-    python tools/run_gpu_suite.py --out results/            # 2, 4, 8 GPUs as available
-    python tools/run_gpu_suite.py --sizes 4 --backend gloo  # CPU ranks, same scenarios
+    python -m tools.run_gpu_suite --out results/            # 2, 4, 8 GPUs as available
+    python -m tools.run_gpu_suite --sizes 4 --backend gloo  # CPU ranks, same scenarios
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tools.launch import with_multicast_off
+
 ROOT = Path(__file__).resolve().parent.parent
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def rank_env() -> dict[str, str]:
-    env = dict(os.environ, **MULTICAST_OFF, PYTHONUNBUFFERED="1")
+    env = {**with_multicast_off(), "PYTHONUNBUFFERED": "1"}
     src = [str(p) for p in sorted((ROOT / "packages").glob("*/src"))]
     env["PYTHONPATH"] = os.pathsep.join([*src, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env

@@ -134,7 +134,7 @@ def test_table_lines_show_ratio_interval_and_errors() -> None:
     lines = table_lines([CaseResult("zero", "mlp-deep", "tf32", 1, 2, 1.0, {}, variants, pairs)])
     assert "95% interval" in lines[0]
     assert "1.000-1.000" in lines[2]
-    assert "rs buckets=2/2" in lines[4]
+    assert "dcomm rs buckets=2/2" in lines[4]
     assert lines[5] == "    ref: error: RuntimeError: boom (rank 0)"
 
 

@@ -56,7 +56,7 @@ def table_lines(results: list[CaseResult]) -> list[str]:
                 )
             )
         errors = [f"    {name}: {v.error}" for name, v in result.variants.items() if v.error]
-        details = {key: value for v in result.variants.values() for key, value in v.details.items()}
+        details = {f"{name} {key}": value for name, v in result.variants.items() for key, value in v.details.items()}
         extra = {**result.details, **details}
         if extra:
             errors.insert(0, "    " + "  ".join(f"{key}={value}" for key, value in extra.items()))

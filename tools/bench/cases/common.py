@@ -9,16 +9,19 @@ Example::
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from tools.bench.ab import Pair, Variant
+from tools.bench.ab import Case, Pair, Variant
 from tools.bench.timing import Bench, Step
 from tools.bench.workloads import Workload, precision_scope
+from tools.impls import IMPLS
 
-__all__ = ["LR", "Context", "impl_pairs", "sgd_variant", "train_step"]
+__all__ = ["LR", "Context", "add_versions", "impl_pairs", "sgd_variant", "train_step"]
 
 LR = 1e-6
 """Small enough that hundreds of steps on random data never overflow fp16 gradients."""
@@ -77,3 +80,12 @@ def impl_pairs(label: str, dcomm: str, torch_: str, reference: str | None = None
         pairs.append(Pair(label, dcomm, reference, "dcomm/reference"))
         pairs.append(Pair(label, torch_, reference, "torch/reference"))
     return pairs
+
+
+def add_versions(
+    case: Case, label: str, name: str, build: Callable[[str], Variant], reference: str | None = None
+) -> None:
+    """Add variants ``torch <name>`` and ``dcomm <name>`` (``build(impl)``) and their pairs to ``case``."""
+    for impl in IMPLS:
+        case.variants[f"{impl} {name}"] = functools.partial(build, impl)
+    case.pairs += impl_pairs(label, f"dcomm {name}", f"torch {name}", reference)

@@ -9,8 +9,8 @@ Example::
 
 from __future__ import annotations
 
-from tools.bench.ab import Case, Pair, Variant
-from tools.bench.cases.common import Context, impl_pairs, sgd_variant
+from tools.bench.ab import Case, Variant
+from tools.bench.cases.common import Context, add_versions, sgd_variant
 from tools.impls import resolve
 
 __all__ = ["DDP_HOOKS", "build_ddp", "ddp_case"]
@@ -28,10 +28,7 @@ def build_ddp(ctx: Context, hook: tuple[str, str] | None) -> Variant:
 
 
 def ddp_case(ctx: Context) -> Case:
-    variants = {"builtin": lambda: build_ddp(ctx, None)}
-    pairs: list[Pair] = []
+    case = Case("ddp", {"builtin": lambda: build_ddp(ctx, None)}, [])
     for name in DDP_HOOKS:
-        for impl in ("torch", "dcomm"):
-            variants[f"{impl} {name}"] = lambda impl=impl, name=name: build_ddp(ctx, (impl, name))
-        pairs += impl_pairs(f"ddp/{name}", f"dcomm {name}", f"torch {name}", "builtin")
-    return Case("ddp", variants, pairs)
+        add_versions(case, f"ddp/{name}", name, lambda impl, name=name: build_ddp(ctx, (impl, name)), "builtin")
+    return case

@@ -12,11 +12,13 @@ Example::
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
-from tools.bench.ab import Case, Pair, Variant
-from tools.bench.cases.common import Context, impl_pairs, sgd_variant
+from tools.bench.ab import Case, Variant
+from tools.bench.cases.common import Context, add_versions, sgd_variant
 from tools.impls import resolve
 
 __all__ = ["FSDP_HOOKS", "build_fsdp", "fsdp_case"]
@@ -53,14 +55,13 @@ def build_fsdp(ctx: Context, strategy: str, hook: tuple[str, str, bool] | None) 
 
 
 def fsdp_case(ctx: Context) -> Case:
-    variants = {}
-    pairs: list[Pair] = []
+    case = Case("fsdp", {}, [])
     for name, (strategy, hook_name, low_precision) in FSDP_HOOKS.items():
         default = f"default {strategy}"
-        if default not in variants:
-            variants[default] = lambda strategy=strategy: build_fsdp(ctx, strategy, None)
-        for impl in ("torch", "dcomm"):
-            hook = (impl, hook_name, low_precision)
-            variants[f"{impl} {name}"] = lambda strategy=strategy, hook=hook: build_fsdp(ctx, strategy, hook)
-        pairs += impl_pairs(f"fsdp/{name}", f"dcomm {name}", f"torch {name}", default)
-    return Case("fsdp", variants, pairs)
+        case.variants.setdefault(default, functools.partial(build_fsdp, ctx, strategy, None))
+
+        def build(impl: str, strategy: str = strategy, hook: str = hook_name, low: bool = low_precision) -> Variant:
+            return build_fsdp(ctx, strategy, (impl, hook, low))
+
+        add_versions(case, f"fsdp/{name}", name, build, default)
+    return case

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from tools.bench.ab import Case, Pair, Variant
-from tools.bench.cases.common import Context, impl_pairs, sgd_variant
+from tools.bench.ab import Case, Variant
+from tools.bench.cases.common import Context, add_versions, sgd_variant
 
 __all__ = ["LOW_PRECISION", "build_fully_shard", "fully_shard_case"]
 
@@ -46,9 +46,8 @@ def build_fully_shard(ctx: Context, reduction: tuple[str, str] | None) -> Varian
 
 def fully_shard_case(ctx: Context) -> Case:
     variants = {"default fp32": lambda: build_fully_shard(ctx, None)}
-    pairs: list[Pair] = []
+    case = Case("fully_shard", variants, [], details={"torch": "MixedPrecisionPolicy(reduce_dtype)"})
     for name in LOW_PRECISION:
-        for impl in ("torch", "dcomm"):
-            variants[f"{impl} {name}"] = lambda impl=impl, name=name: build_fully_shard(ctx, (impl, name))
-        pairs += impl_pairs(f"fully_shard/{name}", f"dcomm {name}", f"torch {name}", "default fp32")
-    return Case("fully_shard", variants, pairs, details={"torch": "MixedPrecisionPolicy(reduce_dtype)"})
+        build = lambda impl, name=name: build_fully_shard(ctx, (impl, name))  # noqa: E731
+        add_versions(case, f"fully_shard/{name}", name, build, "default fp32")
+    return case

@@ -20,8 +20,8 @@ import time
 import torch
 from torch import nn
 
-from tools.bench.ab import Case, Pair, Variant
-from tools.bench.cases.common import LR, Context, impl_pairs
+from tools.bench.ab import Case, Variant
+from tools.bench.cases.common import LR, Context, add_versions
 from tools.bench.cases.ddp import DDP_HOOKS
 from tools.impls import resolve
 
@@ -98,13 +98,11 @@ def build_many_bucket_ddp(ctx: Context, hook: tuple[str, str] | None) -> Variant
 
 
 def hook_latency_case(ctx: Context) -> Case:
-    variants = {"builtin step": lambda: build_many_bucket_ddp(ctx, None)}
-    pairs: list[Pair] = []
-    for name in DDP_HOOKS:
-        for impl in ("torch", "dcomm"):
-            variants[f"{impl} {name} call"] = lambda impl=impl, name=name: build_hook_calls(ctx, impl, name)
-            variants[f"{impl} {name} step"] = lambda impl=impl, name=name: build_many_bucket_ddp(ctx, (impl, name))
-        pairs += impl_pairs(f"hook-latency/{name} call", f"dcomm {name} call", f"torch {name} call")
-        pairs += impl_pairs(f"hook-latency/{name} step", f"dcomm {name} step", f"torch {name} step", "builtin step")
     details = {"buckets": BUCKETS, "bucket numel": BUCKET_NUMEL, "step buckets": 2 * TINY_LAYERS}
-    return Case("hook-latency", variants, pairs, warmup_steps=2, details=details)
+    case = Case("hook-latency", {"builtin step": lambda: build_many_bucket_ddp(ctx, None)}, [], details=details)
+    for name in DDP_HOOKS:
+        calls = lambda impl, name=name: build_hook_calls(ctx, impl, name)  # noqa: E731
+        steps = lambda impl, name=name: build_many_bucket_ddp(ctx, (impl, name))  # noqa: E731
+        add_versions(case, f"hook-latency/{name} call", f"{name} call", calls)
+        add_versions(case, f"hook-latency/{name} step", f"{name} step", steps, "builtin step")
+    return case

@@ -14,11 +14,12 @@ Example::
 from __future__ import annotations
 
 import collections
+import functools
 
 import torch
 
-from tools.bench.ab import Case, Pair, Variant
-from tools.bench.cases.common import LR, Context, impl_pairs, train_step
+from tools.bench.ab import Case, Variant
+from tools.bench.cases.common import LR, Context, add_versions, train_step
 from tools.bench.cases.ddp import build_ddp
 from tools.impls import resolve
 
@@ -59,14 +60,10 @@ def build_post_local_sgd(ctx: Context, impl: str, averaging: str) -> Variant:
 
 
 def post_local_sgd_case(ctx: Context) -> Case:
-    variants = {"ddp builtin": lambda: build_ddp(ctx, None)}
-    pairs: list[Pair] = []
-    for averaging in ("periodic", "hierarchical"):
-        for impl in ("torch", "dcomm"):
-            variants[f"{impl} {averaging}"] = lambda impl=impl, averaging=averaging: build_post_local_sgd(
-                ctx, impl, averaging
-            )
-        pairs += impl_pairs(f"post-local-sgd/{averaging}", f"dcomm {averaging}", f"torch {averaging}", "ddp builtin")
     levels = ", ".join(f"{period}:{size}" for period, size in hierarchy(ctx.world).items())
-    details = {"levels": levels}
-    return Case("post-local-sgd", variants, pairs, steps_per_round=PERIOD, warmup_steps=PERIOD, details=details)
+    variants = {"ddp builtin": lambda: build_ddp(ctx, None)}
+    case = Case("post-local-sgd", variants, [], steps_per_round=PERIOD, warmup_steps=PERIOD, details={"levels": levels})
+    for averaging in ("periodic", "hierarchical"):
+        build = functools.partial(build_post_local_sgd, ctx, averaging=averaging)
+        add_versions(case, f"post-local-sgd/{averaging}", averaging, build, "ddp builtin")
+    return case

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tools.bench.ab import Case, Pair, Variant
-from tools.bench.cases.common import LR, Context, impl_pairs, train_step
+from tools.bench.cases.common import LR, Context, add_versions, train_step
 from tools.impls import resolve
 
 __all__ = ["ZERO_HOOKS", "build_zero", "zero_case"]
@@ -58,15 +58,13 @@ def build_zero(ctx: Context, overlap: tuple[str, str] | None, reduce_scatter: bo
 
 
 def zero_case(ctx: Context) -> Case:
-    variants = {"no overlap": lambda: build_zero(ctx, None)}
-    pairs: list[Pair] = []
-    for name in ZERO_HOOKS:
-        for impl in ("torch", "dcomm"):
-            variants[f"{impl} {name}"] = lambda impl=impl, name=name: build_zero(ctx, (impl, name))
-        pairs += impl_pairs(f"zero/{name}", f"dcomm {name}", f"torch {name}", "no overlap")
-    for name in ZERO_HOOKS:
-        variants[f"dcomm {name}+rs"] = lambda name=name: build_zero(ctx, ("dcomm", name), reduce_scatter=True)
-        pairs.append(Pair(f"zero/{name}+rs", f"dcomm {name}+rs", f"torch {name}", "dcomm/torch"))
-        pairs.append(Pair(f"zero/{name}+rs", f"dcomm {name}+rs", "no overlap", "dcomm/reference"))
     grad_mib = round(ctx.workload.parameters * 4 / 2**20, 1)
-    return Case("zero", variants, pairs, warmup_steps=WARMUP_STEPS, details={"grad MiB": grad_mib})
+    variants = {"no overlap": lambda: build_zero(ctx, None)}
+    case = Case("zero", variants, [], warmup_steps=WARMUP_STEPS, details={"grad MiB": grad_mib})
+    for name in ZERO_HOOKS:
+        add_versions(case, f"zero/{name}", name, lambda impl, name=name: build_zero(ctx, (impl, name)), "no overlap")
+    for name in ZERO_HOOKS:
+        case.variants[f"dcomm {name}+rs"] = lambda name=name: build_zero(ctx, ("dcomm", name), reduce_scatter=True)
+        case.pairs.append(Pair(f"zero/{name}+rs", f"dcomm {name}+rs", f"torch {name}", "dcomm/torch"))
+        case.pairs.append(Pair(f"zero/{name}+rs", f"dcomm {name}+rs", "no overlap", "dcomm/reference"))
+    return case

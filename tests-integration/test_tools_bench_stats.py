@@ -10,6 +10,7 @@ import pytest
 
 from tools.bench.ab import Pair, VariantResult, bootstrap_median_interval, compare, median_ratio_interval
 from tools.bench.cli import parse_args, planned_runs, policy_of
+from tools.bench.profile import kernel_kind
 from tools.bench.report import table_lines
 from tools.bench_chart import chart_points, write_chart
 from tools.bench_results import rows_of
@@ -100,7 +101,8 @@ def test_plan_runs_each_training_case_on_every_workload_and_precision() -> None:
 
 def test_policy_flags_override_the_defaults() -> None:
     policy = policy_of(parse_args(["--quick", "--case-budget-s", "2.5", "--max-rounds", "9"]))
-    assert (policy.budget_s, policy.min_rounds, policy.max_rounds) == (2.5, 3, 9)
+    assert (policy.budget_s, policy.min_rounds, policy.max_rounds, policy.profile) == (2.5, 3, 9, False)
+    assert policy_of(parse_args(["--profile"])).profile
     with pytest.raises(SystemExit):
         parse_args(["--min-rounds", "5", "--max-rounds", "4"])
 
@@ -186,3 +188,18 @@ def test_results_rows_table_and_chart_points_from_json(tmp_path: pathlib.Path) -
     out = tmp_path / "chart.png"
     write_chart([run], str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("kernel", "kind"),
+    [
+        ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "nccl reduce-scatter"),
+        ("ncclDevKernel_AllGather_RING_LL", "nccl all-gather"),
+        ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "nccl all-reduce"),
+        ("ncclDevKernel_Broadcast_RING_LL", "nccl other"),
+        ("sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32", "gemm/attention"),
+        ("void at::native::vectorized_elementwise_kernel<4, ...>", "elementwise/copy"),
+    ],
+)
+def test_kernel_kinds(kernel: str, kind: str) -> None:
+    assert kernel_kind(kernel) == kind

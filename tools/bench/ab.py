@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tools.bench.profile import gpu_time_by_kind
 from tools.bench.timing import Bench, Step, release_memory
 from tools.launch import short_error
 
@@ -93,6 +94,8 @@ class Policy:
     draws: int = 2000
     """Bootstrap resamples per interval."""
     seed: int = 0
+    profile: bool = False
+    """After the rounds, add each variant's GPU time per step by kernel kind to its details (CUDA)."""
 
 
 @dataclass
@@ -300,6 +303,8 @@ def run_case(bench: Bench, case: Case, policy: Policy, workload: str = "", preci
             target = _target_rounds(sum(slowest) * case.steps_per_round, policy)
     for name, variant in built.items():
         results[name].details = variant.details()
+        if policy.profile and bench.is_cuda:
+            results[name].details["gpu us/step"] = gpu_time_by_kind(variant.step, case.steps_per_round)
     built.clear()
     release_memory()
     pairs = [compare(pair, results, policy.draws) for pair in case.pairs]

@@ -58,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--budget-s", type=float, default=480.0, help="seconds after start when the remaining cases are skipped"
     )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="collective timeout")
+    parser.add_argument("--profile", action="store_true", help="GPU time per step by kernel kind, per variant")
     parser.add_argument("--strict", action="store_true", help="exit 1 when any dcomm variant failed")
     args = parser.parse_args(argv)
     if args.min_rounds is not None and args.max_rounds is not None and args.min_rounds > args.max_rounds:
@@ -73,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def policy_of(args: argparse.Namespace) -> Policy:
     policy = POLICIES[args.quick]
     overrides = {"budget_s": args.case_budget_s, "min_rounds": args.min_rounds, "max_rounds": args.max_rounds}
+    overrides["profile"] = args.profile or None
     fields = {key: value for key, value in overrides.items() if value is not None}
     return Policy(**{**policy.__dict__, **fields})
 

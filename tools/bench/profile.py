@@ -8,7 +8,7 @@ Example::
     >>> kernel_kind("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL")
     'nccl reduce-scatter'
     >>> gpu_time_by_kind(step, steps=3)  # doctest: +SKIP
-    {"gemm/attention": 5120.0, 'nccl all-reduce': 2050.0, 'elementwise/copy': 310.0}
+    {'gemm/attention': 5120.0, 'nccl all-reduce': 2050.0, 'elementwise/copy': 310.0}
 """
 
 from __future__ import annotations

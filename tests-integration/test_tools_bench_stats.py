@@ -102,6 +102,9 @@ def test_plan_runs_each_training_case_on_every_workload_and_precision() -> None:
 def test_policy_flags_override_the_defaults() -> None:
     policy = policy_of(parse_args(["--quick", "--case-budget-s", "2.5", "--max-rounds", "9"]))
     assert (policy.budget_s, policy.min_rounds, policy.max_rounds, policy.profile) == (2.5, 3, 9, False)
+    assert policy.steps == 1
+    assert policy_of(parse_args([])).steps == 3
+    assert policy_of(parse_args(["--steps", "5"])).steps == 5
     assert policy_of(parse_args(["--profile"])).profile
     with pytest.raises(SystemExit):
         parse_args(["--min-rounds", "5", "--max-rounds", "4"])

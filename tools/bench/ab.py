@@ -3,9 +3,9 @@
 A machine drifts (clocks, temperature, other tenants) by more than the differences worth
 finding, so variants are never timed in blocks of their own. :func:`run_case` builds all the
 variants of a :class:`Case` on the same processes, warms them up, then runs rounds: each round
-visits the variants in an order shuffled from a shared seed (the same order on every rank) and
-times ``steps_per_round`` steps of each, device synchronized, and keeps the slowest rank's time.
-The number of rounds adapts to a time budget. Each :class:`Pair` is then reported as the median
+visits the variants in an order shuffled from a shared seed (the same order on every rank),
+times a few steps of each (``Policy.steps`` x ``steps_per_round``) with the device synchronized,
+and keeps the slowest rank's time. The number of rounds adapts to a time budget. Each :class:`Pair` is then reported as the median
 of its per-round ratios with a 95% bootstrap interval of that median (:func:`compare`).
 
 Example::
@@ -91,6 +91,8 @@ class Policy:
     budget_s: float = 6.0
     min_rounds: int = 5
     max_rounds: int = 60
+    steps: int = 1
+    """Steps of each variant per round, in units of the case's ``steps_per_round``."""
     draws: int = 2000
     """Bootstrap resamples per interval."""
     seed: int = 0
@@ -275,13 +277,14 @@ def run_case(bench: Bench, case: Case, policy: Policy, workload: str = "", preci
     built, errors = _build_all(bench, case)
     results = {name: VariantResult(error=errors[name]) if name in errors else VariantResult() for name in case.variants}
     order = list(built)
+    steps = case.steps_per_round * policy.steps
     shuffle = random.Random(policy.seed)
     rounds, target = 0, policy.min_rounds
     while order and rounds < target:
         shuffle.shuffle(order)
         times, local_errors = [], {}
         for name in order:
-            seconds, peak, error = _time_block(bench, built[name].step, case.steps_per_round)
+            seconds, peak, error = _time_block(bench, built[name].step, steps)
             times.append(seconds)
             if error:
                 local_errors[name] = error
@@ -300,7 +303,7 @@ def run_case(bench: Bench, case: Case, policy: Policy, workload: str = "", preci
                 del built[name]
         rounds += 1
         if rounds == 1:
-            target = _target_rounds(sum(slowest) * case.steps_per_round, policy)
+            target = _target_rounds(sum(slowest) * steps, policy)
     for name, variant in built.items():
         results[name].details = variant.details()
         if policy.profile and bench.is_cuda:
@@ -309,6 +312,4 @@ def run_case(bench: Bench, case: Case, policy: Policy, workload: str = "", preci
     release_memory()
     pairs = [compare(pair, results, policy.draws) for pair in case.pairs]
     seconds = time.perf_counter() - started
-    return CaseResult(
-        case.name, workload, precision, case.steps_per_round, rounds, seconds, case.details, results, pairs
-    )
+    return CaseResult(case.name, workload, precision, steps, rounds, seconds, case.details, results, pairs)

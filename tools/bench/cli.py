@@ -32,8 +32,11 @@ __all__ = ["main", "parse_args"]
 LINK_ENV = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE", "NCCL_SOCKET_IFNAME", "NCCL_NVLS_ENABLE")
 DISTRIBUTIONS = ("dcomm-core", "dcomm-ddp", "dcomm-fsdp", "dcomm-averaging")
 
-# (seconds of timed rounds per case, min rounds, max rounds) by --quick
-POLICIES = {False: Policy(budget_s=6.0, min_rounds=5, max_rounds=60), True: Policy(budget_s=1.0, min_rounds=3)}
+# Seconds of timed rounds per case, bounds on the rounds, steps per variant per round; by --quick.
+POLICIES = {
+    False: Policy(budget_s=6.0, min_rounds=5, max_rounds=60, steps=3),
+    True: Policy(budget_s=1.0, min_rounds=3, steps=1),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="auto: nccl on GPUs")
     parser.add_argument("--quick", action="store_true", help="1 s of rounds per case, at least 3 rounds")
     parser.add_argument("--case-budget-s", type=float, default=None, help="seconds of timed rounds per case")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="steps per variant per round (x4 for post-local SGD; default 3)"
+    )
     parser.add_argument("--min-rounds", type=int, default=None, help="rounds per case at least")
     parser.add_argument("--max-rounds", type=int, default=None, help="rounds per case at most")
     parser.add_argument(
@@ -63,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.min_rounds is not None and args.max_rounds is not None and args.min_rounds > args.max_rounds:
         parser.error(f"--min-rounds {args.min_rounds} is above --max-rounds {args.max_rounds}; lower it")
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps {args.steps}: must be at least 1")
     for flag in ("min_rounds", "max_rounds"):
         if getattr(args, flag) is not None and getattr(args, flag) < 2:
             parser.error(f"--{flag.replace('_', '-')} must be at least 2 (an interval needs two rounds)")
@@ -74,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def policy_of(args: argparse.Namespace) -> Policy:
     policy = POLICIES[args.quick]
     overrides = {"budget_s": args.case_budget_s, "min_rounds": args.min_rounds, "max_rounds": args.max_rounds}
-    overrides["profile"] = args.profile or None
+    overrides.update(steps=args.steps, profile=args.profile or None)
     fields = {key: value for key, value in overrides.items() if value is not None}
     return Policy(**{**policy.__dict__, **fields})
 

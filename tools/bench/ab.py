@@ -5,8 +5,9 @@ finding, so variants are never timed in blocks of their own. :func:`run_case` bu
 variants of a :class:`Case` on the same processes, warms them up, then runs rounds: each round
 visits the variants in an order shuffled from a shared seed (the same order on every rank),
 times a few steps of each (``Policy.steps`` x ``steps_per_round``) with the device synchronized,
-and keeps the slowest rank's time. The number of rounds adapts to a time budget. Each :class:`Pair` is then reported as the median
-of its per-round ratios with a 95% bootstrap interval of that median (:func:`compare`).
+and keeps the slowest rank's time. The number of rounds adapts to a time budget. Each
+:class:`Pair` is then reported as the median of its per-round ratios with a 95% bootstrap
+interval of that median (:func:`compare`).
 
 Example::
 

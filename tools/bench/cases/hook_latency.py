@@ -4,7 +4,9 @@
 elements each and time only the calls (the collectives they start are waited for afterwards,
 outside the timing): seconds per call, the cost DDP pays on its backward thread per bucket.
 ``step`` variants train a model of many tiny layers with DDP cut into one bucket per parameter,
-so a step's time is dominated by per-bucket work. Both are independent of the workload.
+so a step's time is dominated by per-bucket work. Both are independent of the workload. Called
+from Python, dcomm's compress hooks keep torch's contract (the bucket cast back in place); only
+DDP's reducer gets the low-precision sum, so the ``step`` rows show that path.
 
 Example::
 

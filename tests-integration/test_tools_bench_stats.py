@@ -8,7 +8,14 @@ import statistics
 
 import pytest
 
-from tools.bench.ab import Pair, VariantResult, bootstrap_median_interval, compare, median_ratio_interval
+from tools.bench.ab import (
+    Pair,
+    VariantResult,
+    bootstrap_median_interval,
+    compare,
+    median_ratio_interval,
+    steps_per_block,
+)
 from tools.bench.cli import parse_args, planned_runs, policy_of
 from tools.bench.profile import kernel_kind
 from tools.bench.report import table_lines
@@ -105,6 +112,8 @@ def test_policy_flags_override_the_defaults() -> None:
     assert policy.steps == 1
     assert policy_of(parse_args([])).steps == 3
     assert policy_of(parse_args(["--steps", "5"])).steps == 5
+    assert [steps_per_block(steps, 4) for steps in (1, 3, 4, 5)] == [4, 4, 4, 8]
+    assert steps_per_block(3, 1) == 3
     assert policy_of(parse_args(["--profile"])).profile
     with pytest.raises(SystemExit):
         parse_args(["--min-rounds", "5", "--max-rounds", "4"])

@@ -4,7 +4,7 @@ A machine drifts (clocks, temperature, other tenants) by more than the differenc
 finding, so variants are never timed in blocks of their own. :func:`run_case` builds all the
 variants of a :class:`Case` on the same processes, warms them up, then runs rounds: each round
 visits the variants in an order shuffled from a shared seed (the same order on every rank),
-times a few steps of each (``Policy.steps`` x ``steps_per_round``) with the device synchronized,
+times a few steps of each (``Policy.steps``, whole periods of the case) with the device synchronized,
 and keeps the slowest rank's time. The number of rounds adapts to a time budget. Each
 :class:`Pair` is then reported as the median of its per-round ratios with a 95% bootstrap
 interval of that median (:func:`compare`).
@@ -44,6 +44,7 @@ __all__ = [
     "compare",
     "median_ratio_interval",
     "run_case",
+    "steps_per_block",
 ]
 
 PAIR_KINDS = ("dcomm/torch", "dcomm/reference", "torch/reference")
@@ -93,7 +94,7 @@ class Policy:
     min_rounds: int = 5
     max_rounds: int = 60
     steps: int = 1
-    """Steps of each variant per round, in units of the case's ``steps_per_round``."""
+    """Steps of each variant per round at least (rounded up to whole ``steps_per_round`` periods)."""
     draws: int = 2000
     """Bootstrap resamples per interval."""
     seed: int = 0
@@ -267,6 +268,11 @@ def _time_block(bench: Bench, step: Step, steps: int) -> tuple[float, int | None
     return seconds / steps, bench.peak_extra(mark), ""
 
 
+def steps_per_block(steps: int, period: int) -> int:
+    """``steps`` rounded up to whole periods of ``period`` steps."""
+    return -(-steps // period) * period
+
+
 def _target_rounds(round_s: float, policy: Policy) -> int:
     fitting = int(policy.budget_s / max(round_s, 1e-9))
     return max(policy.min_rounds, min(policy.max_rounds, fitting))
@@ -278,7 +284,7 @@ def run_case(bench: Bench, case: Case, policy: Policy, workload: str = "", preci
     built, errors = _build_all(bench, case)
     results = {name: VariantResult(error=errors[name]) if name in errors else VariantResult() for name in case.variants}
     order = list(built)
-    steps = case.steps_per_round * policy.steps
+    steps = steps_per_block(policy.steps, case.steps_per_round)
     shuffle = random.Random(policy.seed)
     rounds, target = 0, policy.min_rounds
     while order and rounds < target:

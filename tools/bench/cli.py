@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="1 s of rounds per case, at least 3 rounds")
     parser.add_argument("--case-budget-s", type=float, default=None, help="seconds of timed rounds per case")
     parser.add_argument(
-        "--steps", type=int, default=None, help="steps per variant per round (x4 for post-local SGD; default 3)"
+        "--steps", type=int, default=None, help="steps per variant per round (default 3; post-local SGD: periods of 4)"
     )
     parser.add_argument("--min-rounds", type=int, default=None, help="rounds per case at least")
     parser.add_argument("--max-rounds", type=int, default=None, help="rounds per case at most")

@@ -297,8 +297,9 @@ def run_case(bench: Bench, case: Case, policy: Policy, workload: str = "", preci
                 local_errors[name] = error
             elif peak is not None:
                 results[name].peak_extra_bytes = max(peak, results[name].peak_extra_bytes or 0)
-        failed_flags = bench.slowest([1.0 if name in local_errors else 0.0 for name in order])
-        slowest = bench.slowest(times)
+        # One reduction per round: the slowest rank's time, and whether any rank failed, per variant.
+        reduced = bench.slowest(times + [1.0 if name in local_errors else 0.0 for name in order])
+        slowest, failed_flags = reduced[: len(order)], reduced[len(order) :]
         for name, seconds, failed in zip(order, slowest, failed_flags, strict=True):
             if failed:
                 results[name] = VariantResult(error=f"error: {bench.agree(local_errors.get(name, ''))}")

@@ -40,7 +40,7 @@ POLICIES = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(bench_doc or "").splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.bench", description=(bench_doc or "").splitlines()[0])
     parser.add_argument("--json", default="", help="write the results here (rank 0)")
     parser.add_argument("--chart", default="", help="also draw the results as a PNG here (needs matplotlib)")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), help="cases to run")
@@ -153,6 +153,17 @@ def run_metadata(args: argparse.Namespace, backend: str, tier: str, policy: Poli
     }
 
 
+def write_chart_or_say_why(meta: dict[str, Any], path: str) -> None:
+    """Draw the chart; a missing matplotlib is reported, never left to stop rank 0 alone."""
+    try:
+        from tools.bench_chart import write_chart
+
+        write_chart([meta], path)
+        print(f"[bench] chart: {path}", flush=True)
+    except Exception as exc:  # the JSON is written; python -m tools.bench_chart can draw it later
+        print(f"[bench] no chart: {short_error(exc)}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
@@ -179,9 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(meta, f, indent=2)
         if args.chart:
-            from tools.bench_chart import write_chart
-
-            write_chart([meta], args.chart)
+            write_chart_or_say_why(meta, args.chart)
     bench.barrier()
     dist.destroy_process_group()
     failed = any(v.error.startswith("error") for r in results for n, v in r.variants.items() if "dcomm" in n)

@@ -112,9 +112,10 @@ def skipped(case: str, workload: str, precision: str, reason: str) -> CaseResult
 
 def run_one(bench: Bench, tier: str, policy: Policy, case: str, workload: str, precision: str) -> CaseResult:
     """One case on one workload and precision; a failure outside its variants becomes an error."""
-    sizes = WORKLOADS[workload if workload != "-" else "mlp-wide"][tier]
-    set_tf32(precision != "fp32")
-    ctx = Context(bench, sizes, precision if precision != "-" else "fp32")
+    # Per-run cases ("-") ignore the workload and precision; they get mlp-wide in fp32.
+    model = WORKLOADS[workload if workload != "-" else "mlp-wide"][tier]
+    set_tf32(precision not in ("fp32", "-"))
+    ctx = Context(bench, model, precision if precision != "-" else "fp32")
     try:
         return run_case(bench, CASES[case](ctx), policy, workload, precision)
     except Exception as exc:  # reported in the table

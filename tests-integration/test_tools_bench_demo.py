@@ -136,6 +136,8 @@ def test_bench_runs_every_case_on_both_kinds_of_small_workload(tmp_path: pathlib
     zero = runs[("zero", "transformer", "fp32")]
     assert "Gloo" in zero["variants"]["torch step"]["error"]
     assert "error" not in zero["variants"]["dcomm step"]
+    # reduce_scatter=True variants say how many buckets fell back to an allreduce.
+    assert isinstance(zero["variants"]["dcomm step+rs"]["details"]["fallback buckets"], int)
 
 
 @pytest.mark.slow

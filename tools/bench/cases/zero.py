@@ -2,19 +2,17 @@
 
 Variants: non-overlapped ZeRO (the reference), torch's and dcomm's ``hook_with_zero_step`` and
 ``hook_with_zero_step_interleaved``, and dcomm's ``reduce_scatter=True`` mode of each (one
-reduce-scatter and one all-gather per bucket). A ``reduce_scatter`` variant reports how many
-buckets took that path in its last step (the rest fell back to an allreduce).
+reduce-scatter and one all-gather per bucket). A ``reduce_scatter`` variant reports
+``fallback_count`` of its hook: buckets allreduced instead, after DDP settled its buckets.
 
 Example::
 
     >>> case = zero_case(ctx)  # doctest: +SKIP
-    >>> case.variants["dcomm step+rs"]().details()  # doctest: +SKIP
-    {'rs buckets': '4/4'}
+    >>> case.variants["dcomm step+rs"]().details()  # after the rounds  # doctest: +SKIP
+    {'fallback buckets': 0}
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -30,15 +28,6 @@ WARMUP_STEPS = 3
 """torch's overlap hooks only start updating parameters after 2-3 steps."""
 
 
-def _driver_details(zero: Any) -> dict[str, Any]:
-    """Buckets reduce-scattered element-wise in the last step, out of all buckets."""
-    driver = getattr(zero, "_dcomm_zero_overlap_driver", None)
-    if driver is None or not hasattr(driver, "fast_buckets"):
-        return {}
-    fast, slow = driver.fast_buckets, driver.fallback_buckets
-    return {"rs buckets": f"{fast}/{fast + slow}"}
-
-
 def build_zero(ctx: Context, overlap: tuple[str, str] | None, reduce_scatter: bool = False) -> Variant:
     """DDP + ZeroRedundancyOptimizer(Adam); ``overlap = (impl, hook row)`` steps inside backward."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -52,9 +41,13 @@ def build_zero(ctx: Context, overlap: tuple[str, str] | None, reduce_scatter: bo
     impl, name = overlap
     wrapper = resolve(impl, ZERO_HOOKS[name])
     extra = {"reduce_scatter": True, "shard_buckets": True} if reduce_scatter else {}
-    ddp.register_comm_hook(None, wrapper(resolve(impl, "allreduce_hook"), ddp, zero, **extra))
-    details = (lambda: _driver_details(zero)) if reduce_scatter else dict
-    return Variant(train_step(ctx, ddp, None), details)
+    hook = wrapper(resolve(impl, "allreduce_hook"), ddp, zero, **extra)
+    ddp.register_comm_hook(None, hook)
+    if not reduce_scatter:
+        return Variant(train_step(ctx, ddp, None))
+    from dcomm.ddp import fallback_count
+
+    return Variant(train_step(ctx, ddp, None), lambda: {"fallback buckets": fallback_count(hook)})
 
 
 def zero_case(ctx: Context) -> Case:

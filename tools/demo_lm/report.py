@@ -135,10 +135,10 @@ def draw_charts(folder: pathlib.Path, results: list[RunResult]) -> list[str]:
     import matplotlib.pyplot as plt
 
     algorithms = list(dict.fromkeys(r.algorithm for r in results if r.ok))
-    colours = plt.get_cmap("tab20").colors
+    colours = [*plt.get_cmap("tab10").colors, *plt.get_cmap("Dark2").colors]
     written = []
     for filename, (attribute, label) in CHARTS.items():
-        figure, axes = plt.subplots(figsize=(10, 6))
+        figure, axes = plt.subplots(figsize=(13, 6))
         for r in results:
             if not r.ok:
                 continue
@@ -162,7 +162,7 @@ def draw_charts(folder: pathlib.Path, results: list[RunResult]) -> list[str]:
         axes.set_ylabel("validation loss (nats per byte)")
         axes.set_title(f"validation loss vs {label.split(' (')[0]} (dcomm solid, torch dashed, baseline dotted)")
         axes.grid(alpha=0.3)
-        axes.legend(fontsize=7, loc="upper right", ncol=2)
+        axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         figure.tight_layout()
         figure.savefig(folder / filename, dpi=110)
         plt.close(figure)

@@ -28,7 +28,7 @@ from .config import Config
 from .corpus import Corpus
 from .model import next_byte_loss
 from .progress import Progress
-from .runs import ALGORITHMS, Context, Trainee, Unavailable
+from .runs import ALGORITHMS, BASELINE, Context, Trainee, Unavailable
 
 __all__ = ["RunResult", "planned_runs", "rank_main"]
 
@@ -60,12 +60,13 @@ class RunResult:
 
 
 def planned_runs(selected: list[str] | None = None) -> list[tuple[str, str]]:
-    """(algorithm, implementation) pairs in table order, those whose name contains a ``selected`` word."""
+    """(algorithm, implementation) pairs in table order: the baseline and, when ``selected`` is
+    given, only the algorithms whose name contains one of its words (any case)."""
     return [
         (algorithm, impl)
         for algorithm, builders in ALGORITHMS.items()
         for impl in builders
-        if not selected or any(word.lower() in algorithm.lower() for word in selected)
+        if not selected or algorithm == BASELINE or any(word.lower() in algorithm.lower() for word in selected)
     ]
 
 

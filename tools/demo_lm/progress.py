@@ -8,8 +8,7 @@ Example::
     >>> with Progress([("DDP", "dcomm")], steps=10, enabled=True, live=False) as progress:
     ...     progress.start("DDP", "dcomm")
     ...     progress.advance(10, 2.5)
-    ...     progress.finish(2.5, "")
-    [1/1] DDP                                           dcomm  val loss 2.5000
+    ...     progress.finish(2.5, "")  # prints "[1/1] DDP ... dcomm  val loss 2.5000"
 """
 
 from __future__ import annotations

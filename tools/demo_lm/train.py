@@ -3,8 +3,10 @@
 Per run: validation loss every ``eval_every`` steps (averaged over ranks, whose models differ
 under local SGD and DiLoCo), the bytes each rank handed to collectives during the training steps
 (counted by :mod:`.comm_bytes`, averaged over ranks), and the wall time of the steps (the
-slowest rank's). Evaluation is outside both the byte count and the clock. A run that raises is
-a result too (its error, agreed by all ranks), and the next run goes on.
+slowest rank's). Evaluation is outside both the byte count and the clock, but it can change what
+the next step sends: FSDP keeps its root unit's parameters gathered after an evaluation forward,
+so the first training step after it skips that all-gather. A run that raises is a result too
+(its error, agreed by all ranks), and the next run goes on.
 
 Example::
 

@@ -36,6 +36,8 @@ def _counted(counter: CommCounter, collective) -> int:  # type: ignore[no-untype
 def _count_each_collective(rank: int, world: int) -> dict[str, int]:
     counter = CommCounter.install()
     numel = 6 * world
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    torch.set_default_device(device)
     outside_before = counter.bytes_sent
     dist.all_reduce(torch.ones(numel))  # outside counting(): not counted
     counts = {"outside": counter.bytes_sent - outside_before}
@@ -51,17 +53,22 @@ def _count_each_collective(rank: int, world: int) -> dict[str, int]:
         ),
     )
     torch.manual_seed(0)
-    ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3)))
+    model = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3))
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=None if device is None else [device])
     counts["ddp_builtin"] = _counted(counter, lambda: ddp(torch.randn(4, 7) + rank).sum().backward())
     counts["ddp_params"] = sum(p.numel() * 4 for p in ddp.parameters())
     return counts
 
 
+NCCL = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world", [2, 3])
-def test_counter_counts_the_bytes_each_rank_sends(world: int) -> None:
-    for rank, counts in enumerate(run_ranks(_count_each_collective, world, timeout=120)):
+@pytest.mark.parametrize(("backend", "world"), [("gloo", 2), ("gloo", 3), pytest.param("nccl", 2, marks=NCCL)])
+def test_counter_counts_the_bytes_each_rank_sends(backend: str, world: int) -> None:
+    counted = run_ranks(_count_each_collective, world, backend=backend, timeout=120)
+    for rank, counts in enumerate(counted):
         assert counts["outside"] == 0
         assert counts["all_reduce"] == 6 * world * 2  # fp16
         assert counts["broadcast"] == (6 * world * 4 if rank == 1 else 0)  # the root only
@@ -99,10 +106,13 @@ def test_verdict_fails_dcomm_runs_that_fail_stall_or_end_above_torch() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_demo_short_configuration_writes_the_report_and_every_loss_falls(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=NCCL)])
+def test_demo_short_configuration_writes_the_report_and_every_loss_falls(backend: str, tmp_path: pathlib.Path) -> None:
     out = tmp_path / "report"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    command = [sys.executable, "-m", "tools.demo", "--config", "tiny", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if backend == "gloo":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    command = [sys.executable, "-m", "tools.demo", "--config", "tiny", "--backend", backend, "--out", str(out)]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280, check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "0 dcomm failures" in proc.stdout

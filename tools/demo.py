@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", nargs="+", metavar="WORD", help="run only algorithms whose name contains a WORD")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("demo-report"), help="report folder")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, help="relative; default 0.01")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a hung job is stopped")
+    parser.add_argument("--timeout", type=float, help="seconds before a hung job is stopped (default: by config)")
     args = parser.parse_args(argv)
     if args.world_size is not None and args.world_size < 2:
         parser.error(f"--world-size: expected at least 2, got {args.world_size}")
@@ -105,7 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     live = sys.stdout.isatty()
     try:
         per_rank = run_ranks(
-            rank_main, world, config, corpus, args.only, live, backend=backend, timeout=args.timeout, env=env
+            rank_main,
+            world,
+            config,
+            corpus,
+            args.only,
+            live,
+            backend=backend,
+            timeout=args.timeout or config.timeout_s,
+            env=env,
         )
     except RankFailure as exc:
         print(f"demo failed: {exc}", file=sys.stderr)

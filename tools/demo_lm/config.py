@@ -41,6 +41,8 @@ class Config:
     diloco_every: int
     """DiLoCo: inner steps between synchronisations."""
     powersgd_start: int
+    timeout_s: float
+    """Seconds before a hung job is stopped (the whole demo, every run)."""
     seed: int = 0
 
     def new_model(self) -> TinyGPT:
@@ -67,6 +69,7 @@ CONFIGS = {
         period=4,
         diloco_every=10,
         powersgd_start=10,
+        timeout_s=900.0,
     ),
     "large": Config(
         name="large",
@@ -85,6 +88,7 @@ CONFIGS = {
         period=8,
         diloco_every=50,
         powersgd_start=100,
+        timeout_s=3600.0,
     ),
     "tiny": Config(
         name="tiny",
@@ -103,5 +107,6 @@ CONFIGS = {
         period=2,
         diloco_every=4,
         powersgd_start=4,
+        timeout_s=600.0,
     ),
 }

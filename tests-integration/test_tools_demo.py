@@ -145,5 +145,6 @@ def test_demo_short_configuration_writes_the_report_and_every_loss_falls(backend
         if r in trained
     }
     assert per_step[(BASELINE, "torch")] == params * 4
+    assert runs[(BASELINE, "torch")]["bytes_by_collective"]["allreduce_"] == 12 * params * 4  # DDP's C++ allreduce
     assert per_step[("DDP allreduce_hook", "dcomm")] == params * 4
     assert per_step[("DDP fp16_compress_hook", "dcomm")] == params * 2

@@ -51,6 +51,8 @@ class RunResult:
     """Cumulative training wall time at each evaluated step."""
     step_ms: float = math.nan
     """Median step time."""
+    bytes_by_collective: dict[str, float] = field(default_factory=dict)
+    """Bytes per rank over the whole run, per ``c10d`` operator (``allreduce_``, ``_allgather_base_``...)."""
 
     @property
     def ok(self) -> bool:
@@ -114,7 +116,7 @@ def train(
 ) -> None:
     counter = CommCounter.install()
     config = ctx.config
-    sent_before, wall, times = counter.bytes_sent, 0.0, []
+    sent_before, by_collective_before, wall, times = counter.bytes_sent, dict(counter.by_collective), 0.0, []
     result.steps, result.val_loss, result.bytes_sent, result.wall_s = [0], [evaluate(trainee)], [0.0], [0.0]
     for step in range(config.steps):
         tokens, targets = corpus.batch(step, ctx.rank, config.batch_size, config.context, config.seed)
@@ -134,6 +136,11 @@ def train(
             result.wall_s.append(slowest)
             progress.advance(step + 1, result.val_loss[-1])
     result.step_ms = statistics.median(times) * 1e3
+    mine = {name: sent - by_collective_before.get(name, 0) for name, sent in counter.by_collective.items()}
+    everyone: list[dict[str, int]] = [{}] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine, group=side)
+    names = sorted({name for counts in everyone for name, sent in counts.items() if sent})
+    result.bytes_by_collective = {name: sum(c.get(name, 0) for c in everyone) / len(everyone) for name in names}
 
 
 def short_error(exc: BaseException) -> str:

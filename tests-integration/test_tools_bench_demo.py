@@ -1,4 +1,4 @@
-"""The demo and the benchmark CLI run end to end on gloo (2 CPU ranks, tiny sizes, few steps)."""
+"""The benchmark CLI and the fully_shard A/B run end to end on gloo (2 CPU ranks, tiny sizes, few steps)."""
 
 from __future__ import annotations
 
@@ -22,16 +22,6 @@ EXPECTED_ROWS = {
     "fully_shard": {"fully_shard/fp16", "fully_shard/bf16"},
     "hook-latency": {f"hook-latency/{h} {kind}" for h in ("allreduce", "fp16", "bf16") for kind in ("call", "step")},
 }
-DEMO_ALGORITHMS = (
-    "DDP + allreduce_hook",
-    "DDP + fp16_compress_hook",
-    "DDP + bf16_compress_hook",
-    "post-local SGD + periodic averaging",
-    "post-local SGD + hierarchical averaging",
-    "ZeRO overlap: hook_with_zero_step",
-    "FSDP + bf16_compress_hook",
-    "fully_shard + bf16 reduction",
-)
 
 
 def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess[str]:

@@ -39,11 +39,10 @@ from tools.demo_lm.corpus import Corpus
 from tools.demo_lm.report import plain_table, verdict, write_report
 from tools.demo_lm.runs import ALGORITHMS
 from tools.demo_lm.train import RunResult, rank_main
+from tools.launch import MULTICAST_OFF
 
 DEFAULT_TOLERANCE = 0.01
 """A dcomm run may end at most 1% (relative) above torch's run of the same algorithm."""
-
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

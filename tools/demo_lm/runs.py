@@ -27,6 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tools.impls import IMPLEMENTATIONS
+from tools.impls import resolve as shared_resolve
+
 from .config import Config
 from .model import TinyGPT, next_byte_loss
 
@@ -48,64 +51,29 @@ def _load(path: str) -> Any:
         raise Unavailable(f"{path} is not installed here") from exc
 
 
-_TORCH_DDP = "torch.distributed.algorithms.ddp_comm_hooks"
-_SOURCES = {
-    "allreduce_hook": {"dcomm": "dcomm.ddp:allreduce_hook", "torch": f"{_TORCH_DDP}.default_hooks:allreduce_hook"},
-    "fp16_compress_hook": {
-        "dcomm": "dcomm.ddp:fp16_compress_hook",
-        "torch": f"{_TORCH_DDP}.default_hooks:fp16_compress_hook",
-    },
-    "bf16_compress_hook": {
-        "dcomm": "dcomm.ddp:bf16_compress_hook",
-        "torch": f"{_TORCH_DDP}.default_hooks:bf16_compress_hook",
-    },
-    "PostLocalSGDState": {
-        "dcomm": "dcomm.ddp:PostLocalSGDState",
-        "torch": f"{_TORCH_DDP}.post_localSGD_hook:PostLocalSGDState",
-    },
-    "post_localSGD_hook": {
-        "dcomm": "dcomm.ddp:post_localSGD_hook",
-        "torch": f"{_TORCH_DDP}.post_localSGD_hook:post_localSGD_hook",
-    },
-    "PeriodicModelAverager": {
-        "dcomm": "dcomm.averaging:PeriodicModelAverager",
-        "torch": "torch.distributed.algorithms.model_averaging.averagers:PeriodicModelAverager",
-    },
-    "HierarchicalModelAverager": {
-        "dcomm": "dcomm.averaging:HierarchicalModelAverager",
-        "torch": "torch.distributed.algorithms.model_averaging.hierarchical_model_averager:HierarchicalModelAverager",
-    },
-    "PostLocalSGDOptimizer": {
-        "dcomm": "dcomm.averaging:PostLocalSGDOptimizer",
-        "torch": "torch.distributed.optim:PostLocalSGDOptimizer",
-    },
-    "hook_with_zero_step": {
-        "dcomm": "dcomm.ddp:hook_with_zero_step",
-        "torch": f"{_TORCH_DDP}.ddp_zero_hook:hook_with_zero_step",
-    },
-    "hook_with_zero_step_interleaved": {
-        "dcomm": "dcomm.ddp:hook_with_zero_step_interleaved",
-        "torch": f"{_TORCH_DDP}.ddp_zero_hook:hook_with_zero_step_interleaved",
-    },
-    "LowPrecisionState": {
-        "dcomm": "dcomm.core:LowPrecisionState",
-        "torch": "torch.distributed.algorithms._comm_hooks.default_hooks:LowPrecisionState",
-    },
-    "fsdp.bf16_compress_hook": {
-        "dcomm": "dcomm.fsdp:bf16_compress_hook",
-        "torch": "torch.distributed.algorithms._comm_hooks.default_hooks:bf16_compress_hook",
-    },
-    "PowerSGDState": {
-        "dcomm": "dcomm.ddp:PowerSGDState",
-        "torch": f"{_TORCH_DDP}.powerSGD_hook:PowerSGDState",
-    },
-    "powerSGD_hook": {"dcomm": "dcomm.ddp:powerSGD_hook", "torch": f"{_TORCH_DDP}.powerSGD_hook:powerSGD_hook"},
+_POWERSGD = "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook"
+_BEYOND_SHARED_TABLE = {
+    "PowerSGDState": {"dcomm": "dcomm.ddp:PowerSGDState", "torch": f"{_POWERSGD}:PowerSGDState"},
+    "powerSGD_hook": {"dcomm": "dcomm.ddp:powerSGD_hook", "torch": f"{_POWERSGD}:powerSGD_hook"},
 }
+"""Names the demo needs that ``tools.impls`` does not list (yet)."""
+
+
+def has_both(name: str) -> bool:
+    """Whether torch and dcomm both have ``name`` (the shared table or the demo's extras)."""
+    return name in IMPLEMENTATIONS or name in _BEYOND_SHARED_TABLE
 
 
 def resolve(impl: str, name: str) -> Any:
-    """The object called ``name`` in dcomm or torch."""
-    return _load(_SOURCES[name][impl])
+    """The object called ``name`` in dcomm or torch; :class:`Unavailable` when dcomm lacks it."""
+    if name in _BEYOND_SHARED_TABLE:
+        return _load(_BEYOND_SHARED_TABLE[name][impl])
+    try:
+        return shared_resolve(impl, name)
+    except (ImportError, AttributeError) as exc:
+        if impl != "dcomm":
+            raise
+        raise Unavailable(f"dcomm's {name} is not installed here") from exc
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,14 +146,14 @@ def ddp_hook(hook: str, state: Callable[[str, Context], Any] | None = None) -> d
 
     def builder(impl: str) -> Builder:
         def build(ctx: Context) -> Trainee:
-            hook_fn = resolve(impl, hook) if hook in _SOURCES else _load(f"dcomm.ddp:{hook}")
+            hook_fn = resolve(impl, hook) if has_both(hook) else _load(f"dcomm.ddp:{hook}")
             ddp = ctx.ddp(ctx.new_model())
             ddp.register_comm_hook(state(impl, ctx) if state else None, hook_fn)
             return optimizer_trainee(ddp, ctx.adamw(ddp.parameters()))
 
         return build
 
-    impls = ("dcomm", "torch") if hook in _SOURCES else ("dcomm",)
+    impls = ("dcomm", "torch") if has_both(hook) else ("dcomm",)
     return {impl: builder(impl) for impl in impls}
 
 

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tools.launch import agree_on_error, short_error
+
 from .comm_bytes import CommCounter
 from .config import Config
 from .corpus import Corpus
@@ -141,17 +143,6 @@ def train(
     dist.all_gather_object(everyone, mine, group=side)
     names = sorted({name for counts in everyone for name, sent in counts.items() if sent})
     result.bytes_by_collective = {name: sum(c.get(name, 0) for c in everyone) / len(everyone) for name in names}
-
-
-def short_error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}"
-
-
-def agree_on_error(error: str, side: dist.ProcessGroup) -> str:
-    """The first rank's error message, or '' when every rank succeeded."""
-    errors: list[str] = [""] * dist.get_world_size()
-    dist.all_gather_object(errors, error, group=side)
-    return next((f"{e} (rank {r})" for r, e in enumerate(errors) if e), "")
 
 
 def run_one(

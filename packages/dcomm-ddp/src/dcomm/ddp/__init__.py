@@ -14,6 +14,7 @@ Example::
 from dcomm.ddp.__about__ import __version__
 from dcomm.ddp.default_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from dcomm.ddp.post_local_sgd import PostLocalSGDState, post_localSGD_hook
+from dcomm.ddp.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from dcomm.ddp.zero_overlap import fallback_count, hook_with_zero_step, hook_with_zero_step_interleaved
 
 __all__ = [
@@ -25,6 +26,10 @@ __all__ = [
     # post_local_sgd
     "PostLocalSGDState",
     "post_localSGD_hook",
+    # powersgd
+    "PowerSGDState",
+    "powerSGD_hook",
+    "batched_powerSGD_hook",
     # zero_overlap
     "hook_with_zero_step",
     "hook_with_zero_step_interleaved",

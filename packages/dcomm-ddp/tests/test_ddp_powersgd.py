@@ -1,0 +1,299 @@
+"""dcomm's PowerSGD against torch's, trained side by side on real ranks, and its resumable state.
+
+Every rank gets its own batches (seeded by rank and step), so parameters agree across ranks only
+when the hook really averaged. Same seeds and the same arithmetic as torch's hook: parameters
+must be bit-identical (tolerance 0).
+"""
+
+import copy
+import functools
+import inspect
+import io
+import multiprocessing.forkserver
+import sys
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import dcomm.ddp
+from dcomm.core.testing import run_ranks
+from dcomm.ddp import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+from dcomm.ddp._seed_stream import SeedStream
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _preload_ddp_in_forkserver() -> None:
+    if sys.platform.startswith("linux"):
+        multiprocessing.forkserver.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+        multiprocessing.forkserver.ensure_running()
+
+
+STEPS = 6
+TIMEOUT = 240.0
+
+
+def device() -> torch.device:
+    """CUDA on NCCL ranks, else CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    # Two 24x24 weights (same shape: batched when asked), a 16x24 and a 24x3 one; biases and the
+    # 24x3 weight are too small to compress at rank >= 2 and go uncompressed.
+    return nn.Sequential(
+        nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 3)
+    ).to(device())
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(10_000 * step + rank)
+    return (torch.randn(8, 16, generator=gen) * (rank + 1)).to(device())
+
+
+class Run:
+    """A DDP model with a hook, trained step by step with SGD and momentum."""
+
+    def __init__(self, hook: Callable, state: object, bucket_cap_mb: float = 25.0) -> None:
+        self.net = make_model()
+        self.ddp = DDP(self.net, bucket_cap_mb=bucket_cap_mb)
+        self.ddp.register_comm_hook(state, hook)
+        self.state = state
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=0.05, momentum=0.9)
+        self.step = 0
+
+    def train(self, steps: int) -> list[torch.Tensor]:
+        rank = dist.get_rank()
+        for _ in range(steps):
+            self.opt.zero_grad()
+            self.ddp(batch(rank, self.step)).pow(2).sum().backward()
+            self.opt.step()
+            self.step += 1
+        return self.params()
+
+    def params(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.net.parameters()]
+
+    def checkpoint(self) -> dict:
+        return {
+            "model": {k: v.clone() for k, v in self.net.state_dict().items()},
+            "opt": copy.deepcopy(self.opt.state_dict()),  # its tensors are the live ones
+            "hook": self.state.state_dict(),
+            "step": self.step,
+        }
+
+    def restore(self, ckpt: dict) -> None:
+        self.net.load_state_dict(ckpt["model"])
+        self.opt.load_state_dict(copy.deepcopy(ckpt["opt"]))
+        self.state.load_state_dict(ckpt["hook"])
+        self.step = ckpt["step"]
+
+
+def assert_equal(ours: list[torch.Tensor], ref: list[torch.Tensor], what: str) -> None:
+    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        assert torch.equal(a, b), f"{what}: parameter {i} differs by {(a - b).abs().max().item():.3e}"
+
+
+def assert_same_on_ranks(params: list[torch.Tensor], what: str) -> None:
+    for p in params:
+        gathered = [torch.empty_like(p) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, p)
+        assert all(torch.equal(g, gathered[0]) for g in gathered), f"{what}: replicas differ"
+
+
+CONFIGS = [
+    {"matrix_approximation_rank": 1},
+    {"matrix_approximation_rank": 4},
+    {"matrix_approximation_rank": 2, "batch_tensors_with_same_shape": True, "random_seed": 5},
+    {"matrix_approximation_rank": 3, "warm_start": False, "orthogonalization_epsilon": 1e-8},
+    {"matrix_approximation_rank": 1, "use_error_feedback": False, "min_compression_rate": 1},
+]
+
+
+def _parity(rank: int, world: int) -> None:
+    for config in CONFIGS:
+        torch_state = torch_powersgd.PowerSGDState(None, start_powerSGD_iter=2, **config)
+        ref = Run(torch_powersgd.powerSGD_hook, torch_state).train(STEPS)
+        state = PowerSGDState(None, start_powerSGD_iter=2, **config)
+        ours = Run(powerSGD_hook, state).train(STEPS)
+        assert_equal(ours, ref, f"powerSGD_hook {config}")
+        assert_same_on_ranks(ours, f"powerSGD_hook {config}")
+        assert state.iter == torch_state.iter == STEPS
+        assert state.compression_stats() == torch_state.compression_stats()
+        for key in ("error_dict", "p_memory_dict", "q_memory_dict"):
+            mine, theirs = getattr(state, key), getattr(torch_state, key)
+            assert mine.keys() == theirs.keys(), key
+            assert all(torch.equal(mine[k], theirs[k]) for k in mine), key
+    # The compressed result differs from the exact average: compression really happened.
+    exact = Run(dcomm.ddp.allreduce_hook, None).train(STEPS)
+    assert not all(torch.equal(a, b) for a, b in zip(ours, exact, strict=True))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 3])
+def test_powersgd_matches_torch(world: int) -> None:
+    run_ranks(_parity, world, timeout=TIMEOUT)
+
+
+def _batched_reference(grads: list[torch.Tensor], q0: torch.Tensor) -> torch.Tensor:
+    """One batched PowerSGD step in float64 on the ranks' padded square gradients."""
+    side = q0.shape[0]
+    squares = [torch.nn.functional.pad(g.double(), (0, side * side - g.numel())).view(side, side) for g in grads]
+    q, _ = torch.linalg.qr(q0.double()) if q0.shape[1] > 2 else (_gram_schmidt(q0.double()), None)
+    p = sum(m @ q for m in squares)
+    p = _gram_schmidt(p) if q0.shape[1] <= 2 else torch.linalg.qr(p)[0]
+    q = sum(m.t() @ p for m in squares) / len(grads)
+    return (p @ q.t()).reshape(-1)[: grads[0].numel()]
+
+
+def _gram_schmidt(m: torch.Tensor) -> torch.Tensor:
+    m = m.clone()
+    for i in range(m.shape[1]):
+        m[:, i] /= m[:, i].norm()
+        for j in range(i + 1, m.shape[1]):
+            m[:, j] -= (m[:, i] @ m[:, j]) * m[:, i]
+    return m
+
+
+def _recording(
+    seen: list[torch.Tensor], state: PowerSGDState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """batched_powerSGD_hook, keeping the local gradient and the result."""
+    seen.append(bucket.buffer().clone())
+
+    def keep(fut: torch.futures.Future) -> torch.Tensor:
+        seen.append(fut.value().clone())
+        return fut.value()
+
+    return batched_powerSGD_hook(state, bucket).then(keep)
+
+
+def _batched(rank: int, world: int) -> None:
+    # torch's batched hook cannot run here (its orthogonalisation rejects the 2-D Q it passes in
+    # torch >= 2.12), so one step is checked against a float64 reference instead.
+    for rank_r in (1, 4):
+        state = PowerSGDState(None, matrix_approximation_rank=rank_r, start_powerSGD_iter=0, random_seed=3)
+        seen: list[torch.Tensor] = []
+        hook = functools.partial(_recording, seen)
+        hook.__name__ = hook.__qualname__ = "recording"  # type: ignore[attr-defined]
+
+        torch.manual_seed(0)
+        ddp = DDP(nn.Linear(30, 20))
+        ddp.register_comm_hook(state, hook)
+        gen = torch.Generator().manual_seed(rank)
+        ddp(torch.randn(5, 30, generator=gen) * (rank + 1)).sum().backward()
+        local, got = seen
+        grads = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(grads, local)
+        side = state.q_memory_dict[0].shape[0]
+        q0 = torch.randn(side, rank_r, generator=torch.Generator().manual_seed(SeedStream(3).randint(10**9)))
+        expected = _batched_reference(grads, q0)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5)
+        # Error feedback keeps what was not sent: the local gradient minus the approximation.
+        torch.testing.assert_close(state.error_dict[0][: got.numel()], local - got, rtol=0, atol=1e-6)
+        assert not torch.allclose(got, sum(grads) / world, atol=1e-3), "rank-r result equals the exact mean"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 3])
+def test_batched_powersgd_matches_float64_reference(world: int) -> None:
+    run_ranks(_batched, world, timeout=TIMEOUT)
+
+
+def _resume(rank: int, world: int, hook_name: str) -> None:
+    hook = getattr(dcomm.ddp, hook_name)
+    config = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 1}
+    whole = Run(hook, PowerSGDState(None, **config))
+    expected = whole.train(8)
+    for stop in (1, 3, 5):
+        run = Run(hook, PowerSGDState(None, **config))
+        run.train(stop)
+        buffer = io.BytesIO()
+        torch.save(run.checkpoint(), buffer)  # through a file, as a real checkpoint goes
+        run.train(2)  # go on, then restore into the same, registered state: no DDP rebuild
+        buffer.seek(0)
+        run.restore(torch.load(buffer, weights_only=True))
+        assert_equal(run.train(8 - stop), expected, f"{hook_name} restored at step {stop}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("hook_name", ["powerSGD_hook", "batched_powerSGD_hook"])
+def test_bit_identical_resume(hook_name: str) -> None:
+    run_ranks(_resume, 3, hook_name, timeout=TIMEOUT)
+
+
+def _start_at_zero_and_one(rank: int, world: int) -> None:
+    # torch rejects start_powerSGD_iter <= 1 with error feedback; here it works, and memory
+    # made before DDP's bucket rebuild is detected and restarted.
+    exact = Run(dcomm.ddp.allreduce_hook, None).train(STEPS)
+    for start in (0, 1):
+        state = PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=start)
+        params = Run(powerSGD_hook, state, bucket_cap_mb=0.001).train(STEPS)
+        assert_same_on_ranks(params, f"start_powerSGD_iter={start}")
+        assert state.iter == STEPS
+        assert state.error_dict, "compression never ran"
+        change = max((p - q).abs().max().item() for p, q in zip(params, exact, strict=True))
+        assert 0 < change < 0.5, change
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 4])
+def test_start_at_zero_and_one(world: int) -> None:
+    run_ranks(_start_at_zero_and_one, world, timeout=TIMEOUT)
+
+
+def test_seed_stream_matches_numpy() -> None:
+    for seed in (0, 1, 12345, 2**32 - 1):
+        ours, theirs = SeedStream(seed), np.random.RandomState(seed)
+        assert [ours.randint(10**9) for _ in range(500)] == [int(theirs.randint(10**9)) for _ in range(500)]
+
+
+def test_state_arguments_and_bad_state_dict() -> None:
+    with pytest.raises(ValueError, match="matrix_approximation_rank"):
+        PowerSGDState(None, matrix_approximation_rank=0)
+    with pytest.raises(ValueError, match="start_powerSGD_iter"):
+        PowerSGDState(None, start_powerSGD_iter=-1)
+    with pytest.raises(ValueError, match="use_error_feedback"):
+        PowerSGDState(None, use_error_feedback="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="random_seed"):
+        PowerSGDState(None, random_seed=-1)
+    state = PowerSGDState(None, matrix_approximation_rank=2)
+    saved = state.state_dict()
+    state.iter = 7
+    with pytest.raises(ValueError, match="missing keys"):
+        state.load_state_dict({"iter": 3})
+    other = PowerSGDState(None, matrix_approximation_rank=4).state_dict()
+    with pytest.raises(ValueError, match=r"matrix_approximation_rank.*construct PowerSGDState"):
+        state.load_state_dict(other)
+    bad = dict(saved, iter=-2, error_dict={0: torch.zeros(2)})
+    with pytest.raises(ValueError, match="iter"):
+        state.load_state_dict(bad)
+    assert state.iter == 7  # a rejected dict changes nothing
+    assert state.error_dict == {}
+    with pytest.raises(ValueError, match="expects a PowerSGDState"):
+        powerSGD_hook(None, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook"])
+def test_signature_matches_torch(name: str) -> None:
+    ours, theirs = inspect.signature(getattr(dcomm.ddp, name)), inspect.signature(getattr(torch_powersgd, name))
+    assert list(ours.parameters) == list(theirs.parameters)
+    for key, param in ours.parameters.items():
+        assert param.default == theirs.parameters[key].default, key
+    if name != "PowerSGDState":
+        assert ours.parameters["bucket"].annotation is dist.GradBucket
+        assert ours.return_annotation == torch.futures.Future[torch.Tensor]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_powersgd_matches_torch_on_nccl() -> None:
+    run_ranks(_parity, 2, backend="nccl", timeout=TIMEOUT)

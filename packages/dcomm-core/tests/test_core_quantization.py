@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dcomm.core import QUANTIZED_FORMATS, dequantize, payload_bytes, quantize
-from dcomm.core.quantization import code_bytes, max_code, num_blocks
+from dcomm.core.quantization import code_bytes, dequantize_rows, max_code, num_blocks, quantize_rows
 
 BLOCK = 64
 
@@ -173,3 +173,21 @@ def test_cuda_matches_cpu(fmt: str) -> None:
     y = dequantize(*cuda, fmt, 1000, BLOCK)
     assert y.is_cuda
     assert torch.equal(y.cpu(), dequantize(*cpu, fmt, 1000, BLOCK))
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
+def test_rows_are_self_contained(fmt: str) -> None:
+    rows = sample(4 * 2 * BLOCK, seed=13).view(4, 2 * BLOCK)
+    packed = quantize_rows(rows, fmt, BLOCK)
+    assert packed.shape == (4, payload_bytes(2 * BLOCK, fmt, BLOCK))
+    # Each row decodes alone, equal to quantizing it by itself.
+    for i in range(4):
+        alone = dequantize(*quantize(rows[i], fmt, BLOCK), fmt, 2 * BLOCK, BLOCK)
+        assert torch.equal(dequantize_rows(packed[i : i + 1], fmt, 2 * BLOCK, BLOCK)[0], alone)
+    out = torch.empty(4, 2 * BLOCK, dtype=torch.float64)
+    assert dequantize_rows(packed, fmt, 2 * BLOCK, BLOCK, out=out) is out
+    assert (out.reshape(-1) - rows.double().reshape(-1)).abs().le(error_bound(rows, fmt, BLOCK)).all()
+    with pytest.raises(ValueError, match="cols"):
+        quantize_rows(torch.ones(2, BLOCK + 2), fmt, BLOCK)
+    with pytest.raises(ValueError, match="packed"):
+        dequantize_rows(packed[:, 1:], fmt, 2 * BLOCK, BLOCK)

@@ -26,10 +26,12 @@ __all__ = [
     "QUANTIZED_FORMATS",
     "code_bytes",
     "dequantize",
+    "dequantize_rows",
     "max_code",
     "num_blocks",
     "payload_bytes",
     "quantize",
+    "quantize_rows",
 ]
 
 QUANTIZED_FORMATS = ("int8", "fp8", "int4")
@@ -212,3 +214,61 @@ def dequantize(
         return values
     out.view(-1).copy_(values)
     return out
+
+
+def _check_rows(cols: int, block_size: int) -> None:
+    if cols % block_size:
+        raise ValueError(
+            f"cols: a row of {cols} values is not a whole number of blocks of {block_size}; pad rows to a "
+            f"multiple of block_size"
+        )
+
+
+def quantize_rows(rows: torch.Tensor, fmt: str, block_size: int = 256) -> torch.Tensor:
+    """Quantize each row of a 2-D ``[n, cols]`` tensor into one self-contained ``uint8`` row.
+
+    ``cols`` must be a multiple of ``block_size``. Row ``i`` of the result holds the codes of row
+    ``i`` followed by its block scales (float32 bytes): ``payload_bytes(cols)`` bytes, ready to
+    send to one peer (an all-to-all) or to gather.
+
+    Example::
+
+        >>> quantize_rows(torch.randn(4, 512), "int8").shape  # 512 codes + 2 scales of 4 bytes
+        torch.Size([4, 520])
+    """
+    _check_format(fmt, block_size)
+    n, cols = rows.shape
+    _check_rows(cols, block_size)
+    payload, scales = quantize(rows, fmt, block_size)
+    n_codes = code_bytes(cols, fmt, block_size)
+    packed = torch.empty(n, payload_bytes(cols, fmt, block_size), dtype=torch.uint8, device=rows.device)
+    packed[:, :n_codes].copy_(payload.view(n, n_codes))
+    packed[:, n_codes:].copy_(scales.view(n, -1).view(torch.uint8))
+    return packed
+
+
+def dequantize_rows(
+    packed: torch.Tensor, fmt: str, cols: int, block_size: int = 256, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Decode :func:`quantize_rows`' ``[n, payload_bytes(cols)]`` rows into float32 ``[n, cols]``.
+
+    Example::
+
+        >>> x = torch.randn(3, 256)
+        >>> y = dequantize_rows(quantize_rows(x, "fp8"), "fp8", 256)
+        >>> y.shape, bool(((y - x).abs() <= x.abs() / 16 + 1e-3).all())
+        (torch.Size([3, 256]), True)
+    """
+    _check_format(fmt, block_size)
+    _check_rows(cols, block_size)
+    n = packed.shape[0]
+    if packed.dtype != torch.uint8 or packed.shape != (n, payload_bytes(cols, fmt, block_size)):
+        raise ValueError(
+            f"packed: expected uint8 rows of {payload_bytes(cols, fmt, block_size)} bytes for cols={cols}, "
+            f"fmt={fmt!r}; got {tuple(packed.shape)} of {packed.dtype}"
+        )
+    n_codes = code_bytes(cols, fmt, block_size)
+    codes = packed[:, :n_codes].reshape(-1)
+    scales = packed[:, n_codes:].contiguous().view(torch.float32).reshape(-1)
+    values = dequantize(codes, scales, fmt, n * cols, block_size, out=None if out is None else out.view(-1))
+    return values.view(n, cols) if out is None else out

@@ -15,6 +15,12 @@ from dcomm.ddp.__about__ import __version__
 from dcomm.ddp.default_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from dcomm.ddp.post_local_sgd import PostLocalSGDState, post_localSGD_hook
 from dcomm.ddp.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+from dcomm.ddp.quantized_hooks import (
+    QuantizedState,
+    fp8_compress_hook,
+    int8_compress_hook,
+    quantized_allreduce_bytes,
+)
 from dcomm.ddp.zero_overlap import fallback_count, hook_with_zero_step, hook_with_zero_step_interleaved
 
 __all__ = [
@@ -30,6 +36,11 @@ __all__ = [
     "PowerSGDState",
     "powerSGD_hook",
     "batched_powerSGD_hook",
+    # quantized_hooks
+    "QuantizedState",
+    "int8_compress_hook",
+    "fp8_compress_hook",
+    "quantized_allreduce_bytes",
     # zero_overlap
     "hook_with_zero_step",
     "hook_with_zero_step_interleaved",

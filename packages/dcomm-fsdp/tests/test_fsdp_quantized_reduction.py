@@ -1,0 +1,114 @@
+"""fully_shard (FSDP2) with dcomm's int8/fp8 reduce-scatter, on gloo, against float64 references.
+
+The reduce-scatter itself is checked value by value against the exact float64 average of every
+rank's chunk (bound: the ranks' mean rounding error of their blocks); a nested ``fully_shard``
+model's first-step gradients against the float64 mean of all ranks' gradients (bound: one
+quantization step of the largest local gradient value). Everything on CPU meshes (see
+test_fsdp_fully_shard.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from dcomm.core.quantization import max_code
+from dcomm.core.testing import run_ranks
+from dcomm.fsdp import QuantizedReduceScatter, use_quantized_reduction
+
+TIMEOUT = 240.0
+BLOCK = 16
+
+
+def chunk_data(rank: int, numel: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(rank)
+    scale = torch.logspace(-3, 1, numel, dtype=torch.float64)[torch.randperm(numel, generator=gen)]
+    return (torch.randn(numel, generator=gen, dtype=torch.float64) * scale * (rank + 1)).float()
+
+
+def half_step(values: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Per value: the rounding bound of block-quantizing ``values`` in blocks of BLOCK (float64)."""
+    n = values.numel()
+    padded = torch.nn.functional.pad(values.double(), (0, -n % BLOCK)).view(-1, BLOCK)
+    scale = (padded.abs().amax(1) / max_code(fmt)).repeat_interleave(BLOCK)[:n]
+    if fmt == "fp8":
+        return torch.maximum(values.double().abs() * 2.0**-4, scale * 2.0**-10)
+    return scale / 2
+
+
+def _reduce_scatter(rank: int, world: int) -> None:
+    shard = 37  # not a whole number of blocks: each chunk is padded
+    inputs = [chunk_data(r, shard * world) for r in range(world)]
+    exact = torch.stack([x.double() for x in inputs]).mean(0)[rank * shard : (rank + 1) * shard]
+    for fmt in ("int8", "fp8"):
+        comm = QuantizedReduceScatter(fmt, block_size=BLOCK)
+        out = torch.empty(shard)
+        assert comm(out, inputs[rank].clone(), dist.group.WORLD) is None
+        mine = slice(rank * shard, (rank + 1) * shard)
+        bound = torch.stack([half_step(x.view(world, shard)[rank], fmt) for x in inputs]).mean(0)
+        err = (out.double() - exact).abs()
+        assert (err <= bound * (1 + 1e-5) + 1e-7).all(), (fmt, (err - bound).max().item())
+        assert (err > 0).any(), "no rounding at all: was anything quantized?"
+        assert not torch.equal(out, inputs[rank][mine]), "the shard is this rank's own input"
+        row_bytes = shard // BLOCK * BLOCK + BLOCK  # codes of 3 padded blocks (int8/fp8: 1 byte)
+        assert comm.bytes_sent == (world - 1) * (row_bytes + 4 * 3)
+    with pytest.raises(ValueError, match="op: QuantizedReduceScatter"):
+        QuantizedReduceScatter()(torch.empty(2), torch.empty(2 * world), dist.group.WORLD, op=dist.ReduceOp.MAX)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_reduce_scatter_within_bound_of_exact_average(world: int) -> None:
+    run_ranks(_reduce_scatter, world, timeout=TIMEOUT)
+
+
+def _fully_shard(rank: int, world: int) -> None:
+    for fmt in ("int8", "fp8"):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 5))
+        ref = nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 5)).double()
+        ref.load_state_dict(net.state_dict())
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(net[0], mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        comm = use_quantized_reduction(net, fmt)
+        exact = [torch.zeros_like(q) for q in ref.parameters()]
+        largest = 0.0  # the largest value of any rank's local gradient: a bound on every block's maximum
+        for r in range(world):
+            gen = torch.Generator().manual_seed(r)
+            x, y = torch.randn(4, 6, generator=gen) * (r + 1), torch.randn(4, 5, generator=gen)
+            if r == rank:
+                nn.functional.mse_loss(net(x), y).backward()
+            ref.zero_grad()
+            nn.functional.mse_loss(ref(x.double()), y.double()).backward()
+            for total, q in zip(exact, ref.parameters(), strict=True):
+                total += q.grad / world
+                largest = max(largest, q.grad.abs().max().item())
+        assert comm.bytes_sent > 0
+        # Half a step of the largest block maximum (int8), or 2^-4 of it (fp8): a loose but
+        # rank-independent bound; data that was not averaged is off by far more.
+        bound = largest * (0.5 / 127 if fmt == "int8" else 2.0**-4)
+        for p, total in zip(net.parameters(), exact, strict=True):
+            full = p.grad.full_tensor().double()
+            err = (full - total).abs().max().item()
+            assert err <= bound, (fmt, err, bound)
+            assert err > 0, "no rounding at all: was anything quantized?"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 3])
+def test_fully_shard_gradients_close_to_exact_mean(world: int) -> None:
+    run_ranks(_fully_shard, world, timeout=TIMEOUT)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="dtype: expected one of"):
+        QuantizedReduceScatter("int2")
+    with pytest.raises(ValueError, match="block_size"):
+        QuantizedReduceScatter("int8", block_size=7)
+    with pytest.raises(ValueError, match="no fully_shard module"):
+        use_quantized_reduction(nn.Linear(2, 2), "int8")

@@ -12,10 +12,17 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TRAINING_CASES = ("ddp", "post-local-sgd", "zero", "fsdp", "fully_shard")
+TRAINING_CASES = ("ddp", "compression", "post-local-sgd", "zero", "fsdp", "fully_shard")
 EXPECTED_ROWS = {
     "averaging": {"averaging", "averaging/flattened"},
     "ddp": {"ddp/allreduce", "ddp/fp16", "ddp/bf16"},
+    "compression": {
+        "compression/int8",
+        "compression/fp8",
+        "compression/int8 vs bf16",
+        "compression/fp8 vs bf16",
+        "compression/powersgd",
+    },
     "post-local-sgd": {"post-local-sgd/periodic", "post-local-sgd/hierarchical"},
     "zero": {"zero/step", "zero/interleaved", "zero/step+rs", "zero/interleaved+rs"},
     "fsdp": {"fsdp/reduce_scatter", "fsdp/fp16", "fsdp/bf16", "fsdp/allreduce"},
@@ -95,7 +102,7 @@ def test_bench_runs_every_case_on_both_kinds_of_small_workload(tmp_path: pathlib
             _check_variant(f"{key} {name}", variant)
         for pair in run["pairs"]:
             _check_pair(f"{key} {pair['label']} {pair['a']}/{pair['b']}", pair, run["variants"])
-        if run["case"] in ("ddp", "averaging"):  # dcomm runs all of them on gloo
+        if run["case"] in ("ddp", "compression", "averaging"):  # dcomm runs all of them on gloo
             assert _dcomm_errors(run) == {}, key
     # torch's ZeRO overlap refuses gloo: the benchmark reports that and carries on.
     zero = runs[("zero", "transformer", "fp32")]

@@ -25,6 +25,7 @@ _DDP_HOOKS = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks"
 _FSDP_HOOKS = "torch.distributed.algorithms._comm_hooks.default_hooks"
 _POST_LOCAL = "torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook"
 _ZERO_HOOKS = "torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook"
+_POWER_SGD = "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook"
 
 IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     # DDP communication hooks
@@ -50,6 +51,9 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
         "torch": "torch.distributed.algorithms.model_averaging.utils:average_parameters",
         "dcomm": "dcomm.averaging:average_parameters",
     },
+    # PowerSGD
+    "PowerSGDState": {"torch": f"{_POWER_SGD}:PowerSGDState", "dcomm": "dcomm.ddp:PowerSGDState"},
+    "powerSGD_hook": {"torch": f"{_POWER_SGD}:powerSGD_hook", "dcomm": "dcomm.ddp:powerSGD_hook"},
     # ZeRO overlap wrappers
     "hook_with_zero_step": {"torch": f"{_ZERO_HOOKS}:hook_with_zero_step", "dcomm": "dcomm.ddp:hook_with_zero_step"},
     "hook_with_zero_step_interleaved": {

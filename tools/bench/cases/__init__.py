@@ -6,7 +6,7 @@
 Example::
 
     >>> sorted(CASES)
-    ['averaging', 'ddp', 'fsdp', 'fully_shard', 'hook-latency', 'post-local-sgd', 'zero']
+    ['averaging', 'compression', 'ddp', 'fsdp', 'fully_shard', 'hook-latency', 'post-local-sgd', 'zero']
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from tools.bench.ab import Case
 from tools.bench.cases.averaging import averaging_case
 from tools.bench.cases.common import Context
+from tools.bench.cases.compression import compression_case
 from tools.bench.cases.ddp import ddp_case
 from tools.bench.cases.fsdp import fsdp_case
 from tools.bench.cases.fully_shard import fully_shard_case
@@ -28,12 +29,13 @@ __all__ = ["CASES", "PER_RUN_CASES", "PER_WORKLOAD_CASES", "TRAINING_CASES", "Co
 CASES: dict[str, Callable[[Context], Case]] = {
     "averaging": averaging_case,
     "ddp": ddp_case,
+    "compression": compression_case,
     "post-local-sgd": post_local_sgd_case,
     "zero": zero_case,
     "fsdp": fsdp_case,
     "fully_shard": fully_shard_case,
     "hook-latency": hook_latency_case,
 }
-TRAINING_CASES = ("ddp", "post-local-sgd", "zero", "fsdp", "fully_shard")
+TRAINING_CASES = ("ddp", "compression", "post-local-sgd", "zero", "fsdp", "fully_shard")
 PER_WORKLOAD_CASES = ("averaging",)
 PER_RUN_CASES = ("hook-latency",)

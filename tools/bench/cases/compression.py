@@ -1,0 +1,68 @@
+"""Gradient compression beyond fp16/bf16 for DDP: PowerSGD (dcomm's and torch's), int8 and fp8.
+
+PowerSGD runs at rank 4 and starts compressing at step 2 (torch's minimum with error feedback),
+inside the warm-up. int8/fp8 (dcomm only: torch has no such hook) are compared with DDP's
+built-in allreduce and with dcomm's bf16 hook, and report the bytes each rank sent.
+
+Example::
+
+    >>> case = compression_case(ctx)  # doctest: +SKIP
+    >>> sorted(case.variants)  # doctest: +SKIP
+    ['builtin', 'dcomm bf16', 'dcomm fp8', 'dcomm int8', 'dcomm powersgd', 'torch powersgd']
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from tools.bench.ab import Case, Pair, Variant
+from tools.bench.cases.common import Context, add_versions, sgd_variant
+from tools.bench.cases.ddp import build_ddp
+from tools.impls import resolve
+
+__all__ = ["POWERSGD_RANK", "compression_case"]
+
+POWERSGD_RANK = 4
+START_POWERSGD_ITER = 2
+
+
+def build_powersgd(ctx: Context, impl: str) -> Variant:
+    """DDP + PowerSGD (rank 4, error feedback, warm start) from ``impl``."""
+    if impl == "torch" and dist.get_backend() == "gloo":
+        raise RuntimeError(
+            "torch's powerSGD_hook launches its second and third allreduce from gloo callbacks, which can "
+            "mismatch them across ranks with several buckets in flight (gloo aborts the process); not run on gloo"
+        )
+    ddp = ctx.ddp(ctx.model())
+    state = resolve(impl, "PowerSGDState")(
+        None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=START_POWERSGD_ITER
+    )
+    ddp.register_comm_hook(state, resolve(impl, "powerSGD_hook"))
+    return sgd_variant(ctx, ddp)
+
+
+def build_quantized(ctx: Context, fmt: str) -> Variant:
+    """DDP + dcomm's int8/fp8 hook with error feedback; reports the bytes this rank sent."""
+    from dcomm.ddp import QuantizedState, fp8_compress_hook, int8_compress_hook
+
+    ddp = ctx.ddp(ctx.model())
+    state = QuantizedState(None, error_feedback=True)
+    ddp.register_comm_hook(state, int8_compress_hook if fmt == "int8" else fp8_compress_hook)
+    variant = sgd_variant(ctx, ddp)
+    return Variant(variant.step, details=lambda: {"bytes sent": state.bytes_sent})
+
+
+def compression_case(ctx: Context) -> Case:
+    variants = {
+        "builtin": lambda: build_ddp(ctx, None),
+        "dcomm bf16": lambda: build_ddp(ctx, ("dcomm", "bf16")),
+        "dcomm int8": lambda: build_quantized(ctx, "int8"),
+        "dcomm fp8": lambda: build_quantized(ctx, "fp8"),
+    }
+    pairs = []
+    for fmt in ("int8", "fp8"):
+        pairs.append(Pair(f"compression/{fmt}", f"dcomm {fmt}", "builtin", "dcomm/reference"))
+        pairs.append(Pair(f"compression/{fmt} vs bf16", f"dcomm {fmt}", "dcomm bf16", "dcomm/reference"))
+    case = Case("compression", variants, pairs, warmup_steps=START_POWERSGD_ITER + 1)
+    add_versions(case, "compression/powersgd", "powersgd", lambda impl: build_powersgd(ctx, impl), "builtin")
+    return case

@@ -19,7 +19,6 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,7 +27,7 @@ from torch import nn
 
 from dcomm.core import keep_until_stream_done
 from dcomm.core.quantization import dequantize_rows, quantize_rows
-from dcomm.fsdp.fully_shard import _check_not_hsdp, _CompletedWork, _fsdp_module_class
+from dcomm.fsdp.fully_shard import LowPrecisionReduceScatter, _check_not_hsdp, _CompletedWork, _fsdp_module_class
 
 __all__ = ["QUANTIZED_REDUCTION_DTYPES", "QuantizedReduceScatter", "use_quantized_reduction"]
 
@@ -65,15 +64,8 @@ class QuantizedReduceScatter:
     def __repr__(self) -> str:
         return f"QuantizedReduceScatter(dtype={self.dtype!r}, block_size={self.block_size})"
 
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Allocate FSDP2's reduce-scatter input/output buffer (plain caching allocator).
-
-        Example::
-
-            >>> QuantizedReduceScatter().allocate((4,), dtype=torch.float32, device=torch.device("cpu")).shape
-            torch.Size([4])
-        """
-        return torch.empty(*size, dtype=dtype, device=device)
+    # FSDP2's reduce-scatter buffers: plain caching-allocator tensors, as for the fp16/bf16 one.
+    allocate = LowPrecisionReduceScatter.allocate
 
     def __call__(
         self,

@@ -61,7 +61,8 @@ def test_rounds_keep_the_slowest_rank_and_agree_on_errors(world: int) -> None:
     assert variants["slow"]["samples_ms"] == [2.0 * world] * ROUNDS
     assert variants["fast"]["samples_ms"] == [1.0 * world] * ROUNDS
     assert variants["slow"]["details"] == {"calls": 3}
-    assert variants["flaky"]["error"].startswith("error: RuntimeError: flaky step failed [test_tools_bench_ab.py:")
+    # The location names the innermost dcomm or tools frame, which depends on where the checkout lies.
+    assert variants["flaky"]["error"].startswith("error: RuntimeError: flaky step failed [")
     assert variants["flaky"]["error"].endswith(f"(rank {world - 1})")
     assert variants["broken"]["error"].startswith("error: ValueError: cannot build on rank 0")
     assert variants["broken"]["error"].endswith("(rank 0)")

@@ -14,7 +14,7 @@ Example::
 from dcomm.ddp.__about__ import __version__
 from dcomm.ddp.default_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from dcomm.ddp.post_local_sgd import PostLocalSGDState, post_localSGD_hook
-from dcomm.ddp.zero_overlap import fallback_count, hook_with_zero_step, hook_with_zero_step_interleaved
+from dcomm.ddp.zero_overlap import fallback_count, hook_with_zero_step, hook_with_zero_step_interleaved, step_mode_of
 
 __all__ = [
     "__version__",
@@ -29,4 +29,5 @@ __all__ = [
     "hook_with_zero_step",
     "hook_with_zero_step_interleaved",
     "fallback_count",
+    "step_mode_of",
 ]

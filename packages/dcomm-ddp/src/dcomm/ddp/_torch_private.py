@@ -106,6 +106,11 @@ def functional_optimizers() -> dict[type[torch.optim.Optimizer], Any]:
     return _read(optim_utils, "functional_optim_map", "torch.distributed.optim.utils")
 
 
+def coalescing_manager() -> Callable[..., Any] | None:
+    """``torch.distributed._coalescing_manager``, or None where this torch lacks it (launch one by one)."""
+    return getattr(dist, "_coalescing_manager", None)
+
+
 # -- DistributedDataParallel ---------------------------------------------------------------------
 
 

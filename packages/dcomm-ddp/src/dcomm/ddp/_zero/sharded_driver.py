@@ -12,7 +12,9 @@ fallback warns once and is counted in ``fallbacks`` (see :func:`dcomm.ddp.fallba
 
 ``param.grad`` keeps this rank's local gradient on the fast path (the averaged slice goes to the
 optimizer only), so gradients accumulated over several backward passes reduce to exactly the
-sum that a non-overlapped ZeRO steps with.
+sum that a non-overlapped ZeRO steps with. On the fused path the slices of every bucket are
+stepped together at the last bucket, and their all-gathers follow back to back (one NCCL group
+where torch allows).
 
 Example::
 
@@ -32,7 +34,7 @@ import torch.distributed as dist
 import dcomm.ddp._torch_private as private
 from dcomm.core import reduce_scatter_future
 from dcomm.ddp._zero import checkpoint
-from dcomm.ddp._zero.driver import Driver, Setup, all_gather, averaged_bucket, optimizer_class
+from dcomm.ddp._zero.driver import Driver, Setup, all_gather, all_gathers, averaged_bucket, optimizer_class
 from dcomm.ddp._zero.layout import Shard, pack_shards
 
 
@@ -74,11 +76,7 @@ class ShardedDriver(Driver):
 
     # -- planning ---------------------------------------------------------------------------
 
-    def plan(self, bucket: dist.GradBucket) -> _Plan:
-        plan, key = self.cached_plan(bucket)
-        if plan is not None:
-            return plan
-        params = bucket.parameters()
+    def make_plan(self, key: tuple[int, ...], params: list[torch.Tensor]) -> _Plan:
         numel = sum(p.numel() for p in params)
         fast = self.where.get(key[0], (None, 0))[0] if key else None
         if fast is not None and fast.key == key:
@@ -91,7 +89,6 @@ class ShardedDriver(Driver):
                     shard, flat_offset = self.where[id(p)]
                     plan.members.append((shard, offset, flat_offset, p.numel()))
                 offset += p.numel()
-        self.plans[bucket.index()] = plan
         return plan
 
     # -- communication --------------------------------------------------------------------------
@@ -145,7 +142,7 @@ class ShardedDriver(Driver):
             item = _Pending(plan, self._reduce_scatter(plan.fast, bucket), [plan.fast])
         else:
             item = _Pending(plan, *self._fallback(state, bucket, plan))
-        if self.stream is not None:
+        if self.stream is not None and self.mode == "per_bucket":
             # Queue this bucket's step now, behind its reduce-scatter: it runs on the side stream
             # while backward computes the next buckets (no CPU wait on NCCL).
             self.step(item)
@@ -158,6 +155,12 @@ class ShardedDriver(Driver):
             self.in_stream(lambda: self._step(item))
 
     def _step(self, item: _Pending) -> None:
+        self._gather_grads(item)
+        for shard in item.ready:
+            self.local_step([shard.slice])
+
+    def _gather_grads(self, item: _Pending) -> None:
+        """Put the averaged gradient of this rank's slices into ``shard.grad`` for ``item``'s shards."""
         # A stream wait on CUDA (the CPU does not block on NCCL), a real wait on gloo.
         value = item.fut.wait()
         plan = item.plan
@@ -168,7 +171,6 @@ class ShardedDriver(Driver):
                 shard.grad.copy_(shard.recv)
             if self.stream is not None:
                 shard.grad.record_stream(self.stream)
-            self.local_step([shard.slice])
 
     def _copy_owned(self, averaged: torch.Tensor, plan: _Plan) -> None:
         """Copy this rank's slice [lo, hi) of every member parameter into its shard's gradient."""
@@ -188,6 +190,19 @@ class ShardedDriver(Driver):
                 self.works.append(all_gather(shard.flat, shard.slice, self.group))
 
         self.in_stream(gather)
+
+    def complete_all(self, items: list[_Pending]) -> None:
+        """The fused path: one step over every slice, then all their all-gathers back to back."""
+
+        def step_and_gather() -> None:
+            for item in items:
+                self._gather_grads(item)
+            ready = [shard for item in items for shard in item.ready]
+            if ready:
+                self.local_step([shard.slice for shard in ready])
+            self.works.extend(all_gathers([(shard.flat, shard.slice) for shard in ready], self.group))
+
+        self.in_stream(step_and_gather)
 
     def end_backward(self) -> None:
         self.fast_buckets, self.fallback_buckets = self._counting

@@ -40,6 +40,8 @@ OPTIMS = {
     "adam": (torch.optim.Adam, {"lr": 0.01}),
 }
 BUCKET_MB = 0.001  # 1 KB: the tiny model gets several buckets once DDP settles its layout
+STEP_PATHS = ("per_bucket", "fused")
+STEP_MODE = "per_bucket"  # the path every overlapped model of a rank process uses (see _suite)
 
 
 def make_model(even: bool = False) -> torch.nn.Module:
@@ -88,7 +90,8 @@ def overlapped(
     ddp = DDP(model, bucket_cap_mb=BUCKET_MB, static_graph=static)
     cls, kwargs = OPTIMS[optim]
     zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=cls, overlap_with_ddp=True, **kwargs)
-    ddp.register_comm_hook(None, BUILDERS[builder](hook, ddp, zero, shard_buckets=shard, reduce_scatter=rs))
+    build = BUILDERS[builder]
+    ddp.register_comm_hook(None, build(hook, ddp, zero, shard_buckets=shard, reduce_scatter=rs, step_mode=STEP_MODE))
     return model, ddp, zero
 
 
@@ -305,7 +308,7 @@ def _fallback(rank: int, world: int) -> list[int]:
         ddp, ref_ddp = DDP(model, bucket_cap_mb=BUCKET_MB), DDP(ref_model, bucket_cap_mb=BUCKET_MB)
         zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True)
         ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam)
-        hook = BUILDERS[builder](allreduce_hook, ddp, zero, reduce_scatter=True)
+        hook = BUILDERS[builder](allreduce_hook, ddp, zero, reduce_scatter=True, step_mode=STEP_MODE)
         ddp.register_comm_hook(None, hook)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -346,6 +349,9 @@ def test_signature_is_torchs_plus_keyword_only_reduce_scatter(name: object) -> N
     extra = ours.parameters["reduce_scatter"]
     assert extra.kind is inspect.Parameter.KEYWORD_ONLY
     assert extra.default is False
+    mode = ours.parameters["step_mode"]
+    assert mode.kind is inspect.Parameter.KEYWORD_ONLY
+    assert mode.default == "auto"
     with pytest.raises(TypeError, match="positional argument"):
         name(allreduce_hook, None, None, False, True)
 
@@ -590,7 +596,9 @@ def _errors(rank: int, world: int) -> None:
 # -- the tests: few rank launches (each costs seconds), many checks per launch ---------------------
 
 
-def _suite(rank: int, world: int, parts: list[str]) -> int:
+def _suite(rank: int, world: int, parts: list[str], step_mode: str = "per_bucket") -> int:
+    global STEP_MODE
+    STEP_MODE = step_mode
     for part in parts:
         result = globals()[part](rank, world)
         if part == "_matrix":
@@ -604,21 +612,27 @@ def _suite(rank: int, world: int, parts: list[str]) -> int:
     return len(parts)
 
 
-def test_world2_every_step_matches_non_overlapped_zero_first_step_bf16() -> None:
+@pytest.mark.parametrize("step_mode", STEP_PATHS)
+def test_world2_every_step_matches_non_overlapped_zero_first_step_bf16(step_mode: str) -> None:
     """The 16-case matrix (and reduce_scatter's 8) at world 2, torch's lost first update, bf16."""
-    assert run_ranks(_suite, 2, ["_matrix", "_rs_matrix", "_first_step", "_bf16"], timeout=300) == [4, 4]
+    parts = ["_matrix", "_rs_matrix", "_first_step", "_bf16"]
+    assert run_ranks(_suite, 2, parts, step_mode, timeout=300) == [4, 4]
 
 
-def test_world4_every_step_matches_non_overlapped_zero() -> None:
-    assert run_ranks(_suite, 4, ["_matrix", "_rs_matrix"], timeout=300) == [2] * 4
+@pytest.mark.parametrize("step_mode", STEP_PATHS)
+def test_world4_every_step_matches_non_overlapped_zero(step_mode: str) -> None:
+    assert run_ranks(_suite, 4, ["_matrix", "_rs_matrix"], step_mode, timeout=300) == [2] * 4
 
 
+@pytest.mark.parametrize("step_mode", STEP_PATHS)
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_accumulated_gradients_and_wrong_averaging(world: int) -> None:
+def test_accumulated_gradients_and_wrong_averaging(world: int, step_mode: str) -> None:
     """Accumulation without zero_grad equals plain ZeRO; a state or hook over other ranks raises."""
-    assert run_ranks(_suite, world, ["_accumulation", "_wrong_averaging"], timeout=300) == [2] * world
+    assert run_ranks(_suite, world, ["_accumulation", "_wrong_averaging"], step_mode, timeout=300) == [2] * world
 
 
-def test_checkpoints_resume_errors_and_fallback() -> None:
+@pytest.mark.parametrize("step_mode", STEP_PATHS)
+def test_checkpoints_resume_errors_and_fallback(step_mode: str) -> None:
     """Checkpoint at step 0 and 2 and resume; a non-overlapped checkpoint resumes; every error."""
-    assert run_ranks(_suite, 2, ["_resume", "_interchangeable", "_errors", "_fallback"], timeout=300) == [4, 4]
+    parts = ["_resume", "_interchangeable", "_errors", "_fallback"]
+    assert run_ranks(_suite, 2, parts, step_mode, timeout=300) == [4, 4]

@@ -174,3 +174,37 @@ def test_a_bad_step_mode_raises_naming_the_argument(build: object, bad: object) 
 def test_step_mode_of_rejects_anything_but_an_overlap_hook() -> None:
     with pytest.raises(TypeError, match=r"hook: expected a hook returned by hook_with_zero_step"):
         step_mode_of(allreduce_hook)
+
+
+# -- CUDA: side stream, CUDA-event calibration, coalesced all-gathers (run on a 2-GPU host) --------
+
+
+def _cuda_paths(rank: int, world: int) -> list[str]:
+    device = torch.device("cuda", torch.cuda.current_device())
+    seen = []
+    for mode, rs in itertools.product(("per_bucket", "fused", "auto"), (False, True)):
+        model, ref_model = _model().to(device), _model().to(device)
+        ddp, ref_ddp = DDP(model, bucket_cap_mb=BUCKET_MB), DDP(ref_model, bucket_cap_mb=BUCKET_MB)
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True)
+        ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam)
+        hook = hook_with_zero_step(allreduce_hook, ddp, zero, shard_buckets=True, reduce_scatter=rs, step_mode=mode)
+        ddp.register_comm_hook(None, hook)
+        for step in range(12):
+            x = _batch(rank, step).to(device)
+            for d, z in ((ddp, zero), (ref_ddp, ref_zero)):
+                z.zero_grad(set_to_none=True)
+                d(x).square().sum().backward()
+            ref_zero.step()
+            where = f"{mode}-rs{rs} step {step}"
+            ours, theirs = _flat(model), _flat(ref_model)
+            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5, msg=lambda m, w=where: f"{w}: {m}")
+        chosen = step_mode_of(hook)
+        assert chosen in PATHS, (mode, chosen)
+        assert _all_ranks(chosen) == [chosen] * world
+        seen.append(f"{mode}-rs{rs}")
+    return seen
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_cuda_every_path_keeps_plain_zeros_parameters() -> None:
+    assert [len(r) for r in run_ranks(_cuda_paths, 2, backend="nccl", timeout=300)] == [6, 6]

@@ -150,15 +150,43 @@ def _auto(rank: int, world: int) -> list[str]:
     return chosen
 
 
+def _step_counts(rank: int, world: int) -> list[str]:
+    """The fused path runs the local optimizer once per backward; the per-bucket path once per bucket."""
+    seen = []
+    builders = (hook_with_zero_step, hook_with_zero_step_interleaved)
+    for mode, build in itertools.product(("per_bucket", "fused"), builders):
+        model = _model()
+        ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True)
+        hook = build(allreduce_hook, ddp, zero, reduce_scatter=True, step_mode=mode)
+        ddp.register_comm_hook(None, hook)
+        steps = [0]
+        zero.optim.register_step_pre_hook(lambda *_, steps=steps: steps.__setitem__(0, steps[0] + 1))
+        counts = []
+        for step in range(3):
+            steps[0] = 0
+            zero.zero_grad(set_to_none=True)
+            ddp(_batch(rank, step)).square().sum().backward()
+            counts.append(steps[0])
+        buckets = len(zero._dcomm_zero_overlap_driver.layout)
+        assert buckets > 1
+        # Every rank owns a slice of every planned bucket; per bucket, each slice is stepped alone
+        # (in the first backward too, when DDP's single bucket completes them all at once).
+        assert counts == ([1, 1, 1] if mode == "fused" else [buckets] * 3), (mode, build.__name__, counts)
+        assert step_mode_of(hook) == mode
+        seen.append(f"{mode}-{build.__name__}")
+    return seen
+
+
 def _suite(rank: int, world: int, parts: list[str]) -> int:
     for part in parts:
-        assert len(globals()[part](rank, world)) in (2, 8)
+        assert len(globals()[part](rank, world)) in (2, 4, 8)
     return len(parts)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_auto_chooses_one_path_on_every_rank_and_keeps_plain_zeros_parameters(world: int) -> None:
-    assert run_ranks(_suite, world, ["_agreement", "_auto"], timeout=300) == [2] * world
+    assert run_ranks(_suite, world, ["_agreement", "_auto", "_step_counts"], timeout=300) == [3] * world
 
 
 # -- argument errors ----------------------------------------------------------------------------------

@@ -55,12 +55,18 @@ class _BucketPlan:
     flat: torch.Tensor | None
     gather: bool
     piece: int
+    # (param, its gradient view) of mine into DDP's bucket buffer at address ``views_of``: a hook
+    # that averages in place (allreduce_hook) hands over the same memory every step once DDP
+    # settled, so the views are made once.
+    grad_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    views_of: int = -1
 
 
 @dataclass
 class _Update:
     plan: _BucketPlan
     fut: torch.futures.Future
+    buffer_address: int  # of DDP's bucket buffer
 
 
 class ParameterDriver(Driver):
@@ -116,31 +122,32 @@ class ParameterDriver(Driver):
 
     def launch(self, state: Any, bucket: dist.GradBucket) -> _Update:
         plan = self.plan(bucket)
-        return _Update(plan, self.hook(state, bucket))
+        return _Update(plan, self.hook(state, bucket), bucket.buffer().data_ptr())
 
     def complete(self, item: _Update) -> None:
         """Wait for the bucket's averaged gradient, step this rank's share, send it out."""
-        self.in_stream(lambda: self._step_and_send(item.plan, item.fut))
+        self.in_stream(lambda: self._step_and_send(item))
 
     def complete_all(self, items: list[_Update]) -> None:
         """The fused path: one step over the owned parameters of every bucket, then send them all."""
         self.in_stream(lambda: self._step_and_send_all(items))
 
-    def _step_and_send(self, plan: _BucketPlan, fut: torch.futures.Future) -> None:
-        self._step_owned(self._owned_grads(plan, fut))
-        self._send(plan)
+    def _step_and_send(self, item: _Update) -> None:
+        self._step_owned(self._owned_grads(item))
+        self._send(item.plan)
 
     def _step_and_send_all(self, items: list[_Update]) -> None:
-        self._step_owned([owned for item in items for owned in self._owned_grads(item.plan, item.fut)])
+        self._step_owned([owned for item in items for owned in self._owned_grads(item)])
         gathers = [pair for item in items for pair in self._gather_pairs(item.plan)]
         self.works.extend(all_gathers(gathers, self.group))
         for item in items:
             if not item.plan.gather:
                 self._send(item.plan)
 
-    def _owned_grads(self, plan: _BucketPlan, fut: torch.futures.Future) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _owned_grads(self, item: _Update) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(param, averaged gradient)`` of the parameters this rank owns in the bucket."""
-        grad = averaged_bucket(fut.wait(), plan.numel)
+        plan = item.plan
+        grad = averaged_bucket(item.fut.wait(), plan.numel)
         mine = plan.mine
         if mine is None:
             return []
@@ -151,7 +158,14 @@ class ParameterDriver(Driver):
             )
         if self.stream is not None:
             grad.record_stream(self.stream)
-        return [(p, grad[off : off + p.numel()].view_as(p)) for p, off in zip(mine.params, mine.offsets, strict=True)]
+        address = grad.data_ptr()
+        if plan.grad_views is not None and plan.views_of == address:
+            return plan.grad_views
+        views = [(p, grad[off : off + p.numel()].view_as(p)) for p, off in zip(mine.params, mine.offsets, strict=True)]
+        if address == item.buffer_address:
+            # Views into DDP's own bucket buffer: keeping them holds no extra memory.
+            plan.grad_views, plan.views_of = views, address
+        return views
 
     def _gather_pairs(self, plan: _BucketPlan) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(output, piece)`` of the bucket's all-gather, if it has one."""

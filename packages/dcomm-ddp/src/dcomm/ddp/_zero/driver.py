@@ -117,7 +117,6 @@ class Driver:
         self.works: list[Any] = []
         self.stream: Any = None
         self.fallbacks = 0  # buckets allreduced instead of reduce-scattered once DDP settled
-        self.step_mode = setup.step_mode
         self.calibration = Calibration(self.group) if setup.step_mode == "auto" else None
         self.mode = "per_bucket" if self.calibration is not None else setup.step_mode  # this backward's path
         self.settled = False  # DDP has rebuilt its buckets: a plan checked since then stays valid

@@ -111,6 +111,11 @@ def coalescing_manager() -> Callable[..., Any] | None:
     return getattr(dist, "_coalescing_manager", None)
 
 
+def foreach_copy() -> Callable[..., Any] | None:
+    """``torch._foreach_copy_`` (one launch copies many tensors), or None where this torch lacks it."""
+    return getattr(torch, "_foreach_copy_", None)
+
+
 # -- DistributedDataParallel ---------------------------------------------------------------------
 
 

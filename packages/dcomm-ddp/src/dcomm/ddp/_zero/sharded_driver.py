@@ -5,7 +5,9 @@ Every expected DDP bucket is a flat buffer cut into ``world`` equal slices (see
 every bucket. Per bucket and step: one reduce-scatter of ``bucket / world`` (in the wrapped
 hook's dtype), the step, one all-gather of the updated slices into the flat buffer.
 
-A DDP bucket that is not exactly one expected bucket (the first iteration's single bucket, or a
+A DDP bucket that holds exactly the parameters of one expected bucket in another order (a
+LayerNorm's weight gradient is ready before its bias) is copied into the planned order before its
+reduce-scatter (one foreach copy). Any other DDP bucket (the first iteration's single bucket, or a
 layout DDP chose differently) falls back: the wrapped hook averages it (an allreduce) and each
 rank copies out its slices. Slower, never wrong. After DDP has settled its buckets such a
 fallback warns once and is counted in ``fallbacks`` (see :func:`dcomm.ddp.fallback_count`).
@@ -47,6 +49,10 @@ class _Plan:
     fast: Shard | None
     # fallback: (shard, bucket offset, flat offset, numel) of each ZeRO parameter in the bucket
     members: list[tuple[Shard, int, int, int]] = field(default_factory=list)
+    # fast, in another order: (bucket offset, flat offset, numel) of runs contiguous in both
+    runs: list[tuple[int, int, int]] = field(default_factory=list)
+    # (address of DDP's bucket buffer, its run views, ``fast.send``'s run views), made once
+    run_views: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
 
 
 @dataclass
@@ -81,6 +87,8 @@ class ShardedDriver(Driver):
         fast = self.where.get(key[0], (None, 0))[0] if key else None
         if fast is not None and fast.key == key:
             plan = _Plan(key, numel, fast)
+        elif fast is not None and len(key) == len(fast.params) and set(key) == set(fast.key):
+            plan = _Plan(key, numel, fast, runs=self._runs(params))
         else:
             plan = _Plan(key, numel, None)
             offset = 0
@@ -91,13 +99,51 @@ class ShardedDriver(Driver):
                 offset += p.numel()
         return plan
 
+    def _runs(self, params: list[torch.Tensor]) -> list[tuple[int, int, int]]:
+        """Where each run of ``params`` (DDP's order) goes in its planned flat buffer."""
+        runs: list[tuple[int, int, int]] = []
+        offset = 0
+        for p in params:
+            flat_offset = self.where[id(p)][1]
+            if runs and runs[-1][0] + runs[-1][2] == offset and runs[-1][1] + runs[-1][2] == flat_offset:
+                src, dst, numel = runs[-1]
+                runs[-1] = (src, dst, numel + p.numel())
+            else:
+                runs.append((offset, flat_offset, p.numel()))
+            offset += p.numel()
+        return runs
+
     # -- communication --------------------------------------------------------------------------
 
-    def _reduce_scatter(self, shard: Shard, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def _divide_into_send(self, plan: _Plan, buffer: torch.Tensor) -> None:
+        """``shard.send[:numel] = bucket / world`` in the planned order (the padding stays 0)."""
+        shard = plan.fast
+        assert shard is not None
+        if not plan.runs:
+            # Copy, cast to the communication dtype and divide: one kernel.
+            torch.div(buffer, self.world, out=shard.send[: shard.numel])
+            return
+        address = buffer.data_ptr()
+        if plan.run_views is None or plan.run_views[0] != address:
+            sources = [buffer[src : src + n] for src, _, n in plan.runs]
+            targets = [shard.send[dst : dst + n] for _, dst, n in plan.runs]
+            # Views into DDP's persistent bucket buffer: keeping them holds no extra memory.
+            plan.run_views = (address, sources, targets)
+        _, sources, targets = plan.run_views
+        copy = private.foreach_copy()
+        if copy is not None and buffer.dtype == shard.send.dtype:
+            copy(targets, sources)  # then the division in place: the same values as torch.div
+            shard.send[: shard.numel].div_(self.world)
+        else:
+            for source, target in zip(sources, targets, strict=True):
+                torch.div(source, self.world, out=target)  # divide before the cast, as the hooks do
+
+    def _reduce_scatter(self, plan: _Plan, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Sum ``bucket / world`` onto the slices' owners (``shard.recv``); DDP keeps the local bucket."""
+        shard = plan.fast
+        assert shard is not None
         buffer = bucket.buffer()
-        # Copy, cast to the communication dtype and divide: one kernel (the padding stays 0).
-        torch.div(buffer, self.world, out=shard.send[: shard.numel])
+        self._divide_into_send(plan, buffer)
 
         # DDP gets the bucket back unchanged: param.grad keeps the local gradient, so a gradient
         # accumulated over several backward passes still averages to plain ZeRO's.
@@ -139,7 +185,7 @@ class ShardedDriver(Driver):
         plan = self.plan(bucket)
         if plan.fast is not None:
             self._counting[0] += 1
-            item = _Pending(plan, self._reduce_scatter(plan.fast, bucket), [plan.fast])
+            item = _Pending(plan, self._reduce_scatter(plan, bucket), [plan.fast])
         else:
             item = _Pending(plan, *self._fallback(state, bucket, plan))
         if self.stream is not None and self.mode == "per_bucket":

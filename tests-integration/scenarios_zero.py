@@ -117,3 +117,12 @@ def scenario_zero_overlap_accumulation(rank: int, world_size: int) -> None:
     for builder, rs in itertools.product(builders, (False, True)):
         case = f"accumulate {builder.__name__}(reduce_scatter={rs})"
         _train_against_plain_zero(case, rank, builder, allreduce_hook, 3, reduce_scatter=rs)
+
+
+@scenario(min_world_size=2)
+def scenario_zero_overlap_step_modes(rank: int, world_size: int) -> None:
+    """Both forced step paths (per bucket, fused) give plain ZeRO's parameters at every step."""
+    builders = (hook_with_zero_step, hook_with_zero_step_interleaved)
+    for mode, builder, rs in itertools.product(("per_bucket", "fused"), builders, (False, True)):
+        case = f"{builder.__name__}(reduce_scatter={rs}, step_mode={mode!r})"
+        _train_against_plain_zero(case, rank, builder, allreduce_hook, 1, reduce_scatter=rs, step_mode=mode)

@@ -24,7 +24,8 @@ EXPECTED_ROWS = {
         "compression/powersgd",
     },
     "post-local-sgd": {"post-local-sgd/periodic", "post-local-sgd/hierarchical"},
-    "zero": {"zero/step", "zero/interleaved", "zero/step+rs", "zero/interleaved+rs"},
+    "zero": {"zero/step", "zero/interleaved", "zero/step+rs", "zero/interleaved+rs"}
+    | {f"zero/step{rs} {mode}" for rs in ("", "+rs") for mode in ("fused", "per_bucket")},
     "fsdp": {"fsdp/reduce_scatter", "fsdp/fp16", "fsdp/bf16", "fsdp/allreduce"},
     "fully_shard": {"fully_shard/fp16", "fully_shard/bf16"},
     "hook-latency": {f"hook-latency/{h} {kind}" for h in ("allreduce", "fp16", "bf16") for kind in ("call", "step")},
@@ -110,6 +111,9 @@ def test_bench_runs_every_case_on_both_kinds_of_small_workload(tmp_path: pathlib
     assert "error" not in zero["variants"]["dcomm step"]
     # reduce_scatter=True variants say how many buckets fell back to an allreduce.
     assert isinstance(zero["variants"]["dcomm step+rs"]["details"]["fallback buckets"], int)
+    # dcomm's variants say which step path they run (None: "auto" still calibrating).
+    assert zero["variants"]["dcomm step fused"]["details"]["step mode"] == "fused"
+    assert zero["variants"]["dcomm step+rs per_bucket"]["details"]["step mode"] == "per_bucket"
 
 
 @pytest.mark.slow

@@ -40,6 +40,8 @@ OPTIMS = {
     "adam": (torch.optim.Adam, {"lr": 0.01}),
 }
 BUCKET_MB = 0.001  # 1 KB: the tiny model gets several buckets once DDP settles its layout
+STEP_PATHS = ("per_bucket", "fused")
+STEP_MODE = "per_bucket"  # the path every overlapped model of a rank process uses (see _suite)
 
 
 def make_model(even: bool = False) -> torch.nn.Module:
@@ -88,7 +90,8 @@ def overlapped(
     ddp = DDP(model, bucket_cap_mb=BUCKET_MB, static_graph=static)
     cls, kwargs = OPTIMS[optim]
     zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=cls, overlap_with_ddp=True, **kwargs)
-    ddp.register_comm_hook(None, BUILDERS[builder](hook, ddp, zero, shard_buckets=shard, reduce_scatter=rs))
+    build = BUILDERS[builder]
+    ddp.register_comm_hook(None, build(hook, ddp, zero, shard_buckets=shard, reduce_scatter=rs, step_mode=STEP_MODE))
     return model, ddp, zero
 
 
@@ -305,7 +308,7 @@ def _fallback(rank: int, world: int) -> list[int]:
         ddp, ref_ddp = DDP(model, bucket_cap_mb=BUCKET_MB), DDP(ref_model, bucket_cap_mb=BUCKET_MB)
         zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True)
         ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam)
-        hook = BUILDERS[builder](allreduce_hook, ddp, zero, reduce_scatter=True)
+        hook = BUILDERS[builder](allreduce_hook, ddp, zero, reduce_scatter=True, step_mode=STEP_MODE)
         ddp.register_comm_hook(None, hook)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -332,6 +335,50 @@ def _fallback(rank: int, world: int) -> list[int]:
     return counts
 
 
+# -- reduce_scatter=True with DDP's buckets in another order than planned (LayerNorm) --------------
+
+
+def _layer_norm_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 16), torch.nn.LayerNorm(16)]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(16, 4))
+
+
+def _reordered(rank: int, world: int) -> list[str]:
+    """A LayerNorm's weight gradient is ready before its bias: the same buckets, in another order.
+
+    The bucket is copied into the planned order and reduce-scattered (no fallback to an
+    allreduce), in fp32 and through a bf16 hook, with plain ZeRO's parameters at every step. (On
+    more than 2 ranks a bf16 reduce-scatter sums in another order than a bf16 allreduce, which
+    moves Adam's step on near-zero gradients by up to lr: bf16 is compared on 2 ranks only.)
+    """
+    seen = []
+    hooks = (allreduce_hook, bf16_compress_hook if world == 2 else torch_hooks.allreduce_hook)
+    for builder, hook in itertools.product(BUILDERS, hooks):
+        case = f"reordered-{builder}-{hook.__name__}"
+        model, ref_model = _layer_norm_model(), _layer_norm_model()
+        ddp, ref_ddp = DDP(model, bucket_cap_mb=BUCKET_MB), DDP(ref_model, bucket_cap_mb=BUCKET_MB)
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True)
+        ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam)
+        overlap = BUILDERS[builder](hook, ddp, zero, reduce_scatter=True, step_mode=STEP_MODE)
+        ddp.register_comm_hook(None, overlap)
+        ref_ddp.register_comm_hook(None, hook)
+        driver = _driver(zero)
+        for step in range(4):
+            train_step(ddp, zero, batch(rank, step), overlap=True)
+            train_step(ref_ddp, ref_zero, batch(rank, step), overlap=False)
+            where = f"{case} step {step}"
+            torch.testing.assert_close(
+                flat_params(model), flat_params(ref_model), **RS_TOL, msg=lambda m, w=where: f"{w}: {m}"
+            )
+            assert_same_on_all_ranks(flat_params(model))
+        assert any(plan.runs for plan in driver.plans.values()), f"{case}: no bucket came in another order"
+        assert (driver.fast_buckets, driver.fallback_buckets) == (len(driver.layout), 0), case
+        assert fallback_count(overlap) == 0, case
+        seen.append(case)
+    return seen
+
+
 # -- signatures: torch's, plus a keyword-only reduce_scatter (issue 15) -----------------------------
 
 
@@ -346,6 +393,9 @@ def test_signature_is_torchs_plus_keyword_only_reduce_scatter(name: object) -> N
     extra = ours.parameters["reduce_scatter"]
     assert extra.kind is inspect.Parameter.KEYWORD_ONLY
     assert extra.default is False
+    mode = ours.parameters["step_mode"]
+    assert mode.kind is inspect.Parameter.KEYWORD_ONLY
+    assert mode.default == "auto"
     with pytest.raises(TypeError, match="positional argument"):
         name(allreduce_hook, None, None, False, True)
 
@@ -590,35 +640,43 @@ def _errors(rank: int, world: int) -> None:
 # -- the tests: few rank launches (each costs seconds), many checks per launch ---------------------
 
 
-def _suite(rank: int, world: int, parts: list[str]) -> int:
+def _suite(rank: int, world: int, parts: list[str], step_mode: str = "per_bucket") -> int:
+    global STEP_MODE
+    STEP_MODE = step_mode
     for part in parts:
         result = globals()[part](rank, world)
         if part == "_matrix":
             assert len(result) == 16
         if part == "_rs_matrix":
             assert len(result) == 8
-        if part == "_accumulation":
+        if part in ("_accumulation", "_reordered"):
             assert len(result) == 4
         if part == "_wrong_averaging":
             assert result == 10
     return len(parts)
 
 
-def test_world2_every_step_matches_non_overlapped_zero_first_step_bf16() -> None:
+@pytest.mark.parametrize("step_mode", STEP_PATHS)
+def test_world2_every_step_matches_non_overlapped_zero_first_step_bf16(step_mode: str) -> None:
     """The 16-case matrix (and reduce_scatter's 8) at world 2, torch's lost first update, bf16."""
-    assert run_ranks(_suite, 2, ["_matrix", "_rs_matrix", "_first_step", "_bf16"], timeout=300) == [4, 4]
+    parts = ["_matrix", "_rs_matrix", "_first_step", "_bf16", "_reordered"]
+    assert run_ranks(_suite, 2, parts, step_mode, timeout=300) == [5, 5]
 
 
-def test_world4_every_step_matches_non_overlapped_zero() -> None:
-    assert run_ranks(_suite, 4, ["_matrix", "_rs_matrix"], timeout=300) == [2] * 4
+@pytest.mark.parametrize("step_mode", STEP_PATHS)
+def test_world4_every_step_matches_non_overlapped_zero(step_mode: str) -> None:
+    assert run_ranks(_suite, 4, ["_matrix", "_rs_matrix", "_reordered"], step_mode, timeout=300) == [3] * 4
 
 
+@pytest.mark.parametrize("step_mode", STEP_PATHS)
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_accumulated_gradients_and_wrong_averaging(world: int) -> None:
+def test_accumulated_gradients_and_wrong_averaging(world: int, step_mode: str) -> None:
     """Accumulation without zero_grad equals plain ZeRO; a state or hook over other ranks raises."""
-    assert run_ranks(_suite, world, ["_accumulation", "_wrong_averaging"], timeout=300) == [2] * world
+    assert run_ranks(_suite, world, ["_accumulation", "_wrong_averaging"], step_mode, timeout=300) == [2] * world
 
 
-def test_checkpoints_resume_errors_and_fallback() -> None:
+@pytest.mark.parametrize("step_mode", STEP_PATHS)
+def test_checkpoints_resume_errors_and_fallback(step_mode: str) -> None:
     """Checkpoint at step 0 and 2 and resume; a non-overlapped checkpoint resumes; every error."""
-    assert run_ranks(_suite, 2, ["_resume", "_interchangeable", "_errors", "_fallback"], timeout=300) == [4, 4]
+    parts = ["_resume", "_interchangeable", "_errors", "_fallback"]
+    assert run_ranks(_suite, 2, parts, step_mode, timeout=300) == [4, 4]

@@ -2,17 +2,21 @@
 
 Variants: non-overlapped ZeRO (the reference), torch's and dcomm's ``hook_with_zero_step`` and
 ``hook_with_zero_step_interleaved``, and dcomm's ``reduce_scatter=True`` mode of each (one
-reduce-scatter and one all-gather per bucket). A ``reduce_scatter`` variant reports
-``fallback_count`` of its hook: buckets allreduced instead, after DDP settled its buckets.
+reduce-scatter and one all-gather per bucket). dcomm's variants choose their step path
+(``step_mode="auto"``, reported as ``step mode``); ``dcomm step fused``, ``dcomm step per_bucket``
+and their ``+rs`` forms force one. A ``reduce_scatter`` variant reports ``fallback_count`` of
+its hook: buckets allreduced instead, after DDP settled its buckets.
 
 Example::
 
     >>> case = zero_case(ctx)  # doctest: +SKIP
     >>> case.variants["dcomm step+rs"]().details()  # after the rounds  # doctest: +SKIP
-    {'fallback buckets': 0}
+    {'step mode': 'fused', 'fallback buckets': 0}
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -24,12 +28,19 @@ __all__ = ["ZERO_HOOKS", "build_zero", "zero_case"]
 
 ZERO_HOOKS = {"step": "hook_with_zero_step", "interleaved": "hook_with_zero_step_interleaved"}
 
-WARMUP_STEPS = 3
-"""torch's overlap hooks only start updating parameters after 2-3 steps."""
+STEP_MODES = ("fused", "per_bucket")
+WARMUP_STEPS = 10
+"""torch's overlap hooks only start updating parameters after 2-3 steps; dcomm's ``step_mode="auto"``
+times both paths over its first 9 backward passes and keeps one from the 10th."""
 
 
-def build_zero(ctx: Context, overlap: tuple[str, str] | None, reduce_scatter: bool = False) -> Variant:
-    """DDP + ZeroRedundancyOptimizer(Adam); ``overlap = (impl, hook row)`` steps inside backward."""
+def build_zero(
+    ctx: Context, overlap: tuple[str, str] | None, reduce_scatter: bool = False, step_mode: str | None = None
+) -> Variant:
+    """DDP + ZeroRedundancyOptimizer(Adam); ``overlap = (impl, hook row)`` steps inside backward.
+
+    ``step_mode`` (dcomm only) forces a step path; None keeps the hook's default (``"auto"``).
+    """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     ddp = ctx.ddp(ctx.model())
@@ -40,14 +51,22 @@ def build_zero(ctx: Context, overlap: tuple[str, str] | None, reduce_scatter: bo
         return Variant(train_step(ctx, ddp, zero))
     impl, name = overlap
     wrapper = resolve(impl, ZERO_HOOKS[name])
-    extra = {"reduce_scatter": True, "shard_buckets": True} if reduce_scatter else {}
+    extra: dict[str, object] = {"reduce_scatter": True, "shard_buckets": True} if reduce_scatter else {}
+    if step_mode is not None:
+        extra["step_mode"] = step_mode
     hook = wrapper(resolve(impl, "allreduce_hook"), ddp, zero, **extra)
     ddp.register_comm_hook(None, hook)
-    if not reduce_scatter:
+    if impl != "dcomm":
         return Variant(train_step(ctx, ddp, None))
-    from dcomm.ddp import fallback_count
+    from dcomm.ddp import fallback_count, step_mode_of
 
-    return Variant(train_step(ctx, ddp, None), lambda: {"fallback buckets": fallback_count(hook)})
+    def details() -> dict[str, object]:
+        said: dict[str, object] = {"step mode": step_mode_of(hook)}
+        if reduce_scatter:
+            said["fallback buckets"] = fallback_count(hook)
+        return said
+
+    return Variant(train_step(ctx, ddp, None), details)
 
 
 def zero_case(ctx: Context) -> Case:
@@ -60,4 +79,9 @@ def zero_case(ctx: Context) -> Case:
         case.variants[f"dcomm {name}+rs"] = lambda name=name: build_zero(ctx, ("dcomm", name), reduce_scatter=True)
         case.pairs.append(Pair(f"zero/{name}+rs", f"dcomm {name}+rs", f"torch {name}", "dcomm/torch"))
         case.pairs.append(Pair(f"zero/{name}+rs", f"dcomm {name}+rs", "no overlap", "dcomm/reference"))
+    # The two step paths forced (hook_with_zero_step; on the fused path the interleaved hook is the same).
+    for mode, rs in itertools.product(STEP_MODES, (False, True)):
+        variant = f"dcomm step{'+rs' if rs else ''} {mode}"
+        case.variants[variant] = lambda mode=mode, rs=rs: build_zero(ctx, ("dcomm", "step"), rs, mode)
+        case.pairs.append(Pair(f"zero/step{'+rs' if rs else ''} {mode}", variant, "no overlap", "dcomm/reference"))
     return case

@@ -106,6 +106,16 @@ def functional_optimizers() -> dict[type[torch.optim.Optimizer], Any]:
     return _read(optim_utils, "functional_optim_map", "torch.distributed.optim.utils")
 
 
+def coalescing_manager() -> Callable[..., Any] | None:
+    """``torch.distributed._coalescing_manager``, or None where this torch lacks it (launch one by one)."""
+    return getattr(dist, "_coalescing_manager", None)
+
+
+def foreach_copy() -> Callable[..., Any] | None:
+    """``torch._foreach_copy_`` (one launch copies many tensors), or None where this torch lacks it."""
+    return getattr(torch, "_foreach_copy_", None)
+
+
 # -- DistributedDataParallel ---------------------------------------------------------------------
 
 

@@ -52,6 +52,21 @@ bit-identical on 2 gloo ranks). ``zero.state_dict()`` stays torch's per-paramete
 (slices are joined on consolidation and cut again on load), so checkpoints move between every
 layout and non-overlapped ZeRO.
 
+``step_mode`` (keyword-only) says when the local optimizer runs. ``"per_bucket"`` steps each
+bucket's parameters as described above, overlapping the update with the rest of backward: it
+pays when backward leaves the GPU idle long enough to hide the per-bucket work, e.g. few large
+buckets or a slow link. ``"fused"`` keeps the per-bucket gradient collectives but runs ONE
+``optim.step()`` (torch's foreach kernels on CUDA) over all of this rank's parameters at the last
+bucket, then issues every parameter collective back to back (all-gathers coalesced into one NCCL
+group where torch allows): it pays for models of many small tensors whose backward is bound by
+the host, where a step per bucket costs more host time than the overlap saves. ``"auto"`` (the
+default) runs the per-bucket path until DDP has settled its buckets, then times 4 backward
+passes of each path (the first of each dropped; CUDA events, or the wall clock off CUDA), takes
+the slower rank's median per path (an all-reduce, so every rank chooses the same), keeps the
+faster path for good and logs the choice and both times once, on rank 0, at ``INFO`` level of
+the ``dcomm.ddp.zero_overlap`` logger; :func:`step_mode_of` returns it. Every path gives the same
+parameters, so the choice is not checkpointed: a restarted run calibrates again.
+
 Example::
 
     >>> import torch
@@ -81,8 +96,9 @@ from dcomm.ddp._zero.driver import Driver, Hook, Setup
 from dcomm.ddp._zero.layout import expected_buckets
 from dcomm.ddp._zero.parameter_driver import ParameterDriver
 from dcomm.ddp._zero.sharded_driver import ShardedDriver
+from dcomm.ddp._zero.step_mode import StepMode, check_step_mode
 
-__all__ = ["fallback_count", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
+__all__ = ["fallback_count", "hook_with_zero_step", "hook_with_zero_step_interleaved", "step_mode_of"]
 
 
 def _build(
@@ -91,10 +107,12 @@ def _build(
     zero: ZeroRedundancyOptimizer,
     shard_buckets: bool,
     reduce_scatter: bool,
+    step_mode: str,
     name: str,
 ) -> Hook:
     checks.check_hook(hook)
     checks.check_flag("reduce_scatter", reduce_scatter)
+    check_step_mode(step_mode)
     reduce_dtype = checks.averaging_dtype(hook) if reduce_scatter else None
     checks.check_ddp(ddp)
     checks.check_zero(zero)
@@ -104,7 +122,7 @@ def _build(
 
     interleaved = name == "hook_with_zero_step_interleaved"
     first_call = checks.first_call_checks(ddp, zero, name)
-    setup = Setup(hook, ddp, zero, expected_buckets(ddp, params), interleaved, first_call)
+    setup = Setup(hook, ddp, zero, expected_buckets(ddp, params), interleaved, first_call, step_mode)
     driver = ShardedDriver(setup, reduce_dtype) if reduce_scatter else ParameterDriver(setup, shard_buckets)
     info = private.overlap_info(zero)
     info.status = private.overlap_status().INITIALIZED  # type: ignore[attr-defined]
@@ -117,6 +135,41 @@ def _build(
     hook_fn.__name__ = hook_fn.__qualname__ = f"{name}({getattr(hook, '__name__', 'hook')})"
     setattr(hook_fn, checks.HOOK_MARK, driver)
     return hook_fn
+
+
+def _driver_of(hook: Callable[..., Any]) -> Driver:
+    driver = getattr(hook, checks.HOOK_MARK, None)
+    if not isinstance(driver, Driver):
+        raise TypeError(
+            f"hook: expected a hook returned by hook_with_zero_step or hook_with_zero_step_interleaved, "
+            f"got {hook!r}; pass the hook they returned"
+        )
+    return driver
+
+
+def step_mode_of(hook: Callable[..., Any]) -> str | None:
+    """The step path ``hook`` uses: ``"per_bucket"`` or ``"fused"``; None while ``"auto"`` calibrates.
+
+    A hook built with ``step_mode="per_bucket"`` or ``"fused"`` always returns that. With
+    ``step_mode="auto"`` it is None until the calibration after DDP settled its buckets has
+    chosen, then the chosen path, the same on every rank.
+
+    Args:
+        hook: a hook returned by :func:`hook_with_zero_step` or
+            :func:`hook_with_zero_step_interleaved`.
+
+    Raises:
+        TypeError: ``hook`` was not built by either.
+
+    Example::
+
+        >>> hook = hook_with_zero_step(allreduce_hook, ddp, zero)  # doctest: +SKIP
+        >>> ddp.register_comm_hook(None, hook)  # doctest: +SKIP
+        >>> step_mode_of(hook)  # after about 10 steps  # doctest: +SKIP
+        'fused'
+    """
+    driver = _driver_of(hook)
+    return None if driver.calibration is not None else driver.mode
 
 
 def fallback_count(hook: Callable[..., Any]) -> int:
@@ -142,13 +195,7 @@ def fallback_count(hook: Callable[..., Any]) -> int:
         >>> fallback_count(hook)  # after a few steps; 0 when every bucket was reduce-scattered  # doctest: +SKIP
         0
     """
-    driver = getattr(hook, checks.HOOK_MARK, None)
-    if not isinstance(driver, Driver):
-        raise TypeError(
-            f"hook: expected a hook returned by hook_with_zero_step or hook_with_zero_step_interleaved, "
-            f"got {hook!r}; pass the hook they returned"
-        )
-    return driver.fallbacks
+    return _driver_of(hook).fallbacks
 
 
 def hook_with_zero_step(
@@ -158,6 +205,7 @@ def hook_with_zero_step(
     shard_buckets: bool = False,
     *,
     reduce_scatter: bool = False,
+    step_mode: StepMode = "auto",
 ) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
     """Wrap ``hook`` so that ``zero`` steps once the last bucket's gradients are in flight.
 
@@ -181,6 +229,9 @@ def hook_with_zero_step(
             must then be dcomm's or torch's ``allreduce_hook``, ``fp16_compress_hook`` or
             ``bf16_compress_hook``, whose arithmetic (divide by the world size, sum in the
             hook's dtype, cast back) is kept.
+        step_mode: ``"per_bucket"`` (step each bucket as its gradient arrives), ``"fused"`` (one
+            step over every parameter at the last bucket) or ``"auto"`` (time both once DDP has
+            settled its buckets, keep the faster); keyword-only. See the module documentation.
 
     Returns:
         The hook to pass to ``ddp.register_comm_hook(state, ...)``; ``state`` goes to ``hook``.
@@ -189,8 +240,9 @@ def hook_with_zero_step(
         ValueError: ``zero`` built without ``overlap_with_ddp=True``, with several parameter
             groups, over parameters outside ``ddp``, ``hook`` not a plain averaging hook (also
             behind ``functools.partial``), or ``reduce_scatter=True`` with a hook other than the
-            six listed above. On the first backward: a ``state`` that averages over other ranks
-            than ``zero.process_group`` (a subgroup, a ``PostLocalSGDState``).
+            six listed above, ``step_mode`` not one of the three above. On the first backward:
+            a ``state`` that averages over other ranks than ``zero.process_group`` (a subgroup,
+            a ``PostLocalSGDState``).
         RuntimeError: training has already started, or ``zero`` already drives a hook.
 
     Example::
@@ -201,7 +253,7 @@ def hook_with_zero_step(
         >>> ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))  # doctest: +SKIP
         >>> ddp(inputs).sum().backward()  # doctest: +SKIP
     """
-    return _build(hook, ddp, zero, shard_buckets, reduce_scatter, "hook_with_zero_step")
+    return _build(hook, ddp, zero, shard_buckets, reduce_scatter, step_mode, "hook_with_zero_step")
 
 
 def hook_with_zero_step_interleaved(
@@ -211,6 +263,7 @@ def hook_with_zero_step_interleaved(
     shard_buckets: bool = False,
     *,
     reduce_scatter: bool = False,
+    step_mode: StepMode = "auto",
 ) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
     """Wrap ``hook`` so that ``zero`` steps bucket by bucket while backward still runs.
 
@@ -218,11 +271,11 @@ def hook_with_zero_step_interleaved(
     are queued behind the next bucket's allreduce (on CUDA the step runs on a side stream), so
     the update overlaps the rest of the backward pass. Arguments, results and errors are those
     of :func:`hook_with_zero_step`; ``shard_buckets=True`` spreads every bucket's step over all
-    ranks, which suits this hook.
+    ranks, which suits this hook. On the ``"fused"`` step path both hooks behave the same.
 
     Example::
 
         >>> hook = hook_with_zero_step_interleaved(bf16_compress_hook, ddp, zero, shard_buckets=True)  # doctest: +SKIP
         >>> ddp.register_comm_hook(None, hook)  # doctest: +SKIP
     """
-    return _build(hook, ddp, zero, shard_buckets, reduce_scatter, "hook_with_zero_step_interleaved")
+    return _build(hook, ddp, zero, shard_buckets, reduce_scatter, step_mode, "hook_with_zero_step_interleaved")

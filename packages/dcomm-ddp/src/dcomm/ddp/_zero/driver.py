@@ -1,16 +1,19 @@
 """What every ZeRO overlap driver does per DDP bucket, whatever it owns.
 
 A driver is the state behind one wrapped hook. The base class runs the first-call checks, keeps
-the CUDA side stream, queues each bucket until it is updated (at once, or behind the next bucket
-with the interleaved hook), runs the local optimizer on a subset of its parameters, and waits for
-the parameter collectives before the next forward. :class:`ParameterDriver` and
-:class:`ShardedDriver` say what a bucket's update is.
+the CUDA side stream, picks the step path of each backward pass (see
+:mod:`dcomm.ddp._zero.step_mode`), queues each bucket until it is updated (at once, behind the
+next bucket with the interleaved hook, or all together at the last bucket on the fused path),
+runs the local optimizer on a subset of its parameters, and waits for the parameter collectives
+before the next forward. :class:`ParameterDriver` and :class:`ShardedDriver` say what a bucket's
+update is.
 
 Example::
 
     >>> class MyDriver(Driver):  # doctest: +SKIP
     ...     def launch(self, state, bucket): ...
     ...     def complete(self, item): ...
+    ...     def complete_all(self, items): ...
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dcomm.ddp._torch_private as private
 from dcomm.ddp._zero.layout import partition
+from dcomm.ddp._zero.step_mode import Calibration
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 Checks = Callable[[Any], None]
@@ -62,6 +66,21 @@ def all_gather(output: torch.Tensor, piece: torch.Tensor, group: dist.ProcessGro
     return op(output, piece, group=group, async_op=True)
 
 
+def all_gathers(pairs: list[tuple[torch.Tensor, torch.Tensor]], group: dist.ProcessGroup) -> list[Any]:
+    """Asynchronous all-gathers of ``(output, piece)`` pairs, issued back to back.
+
+    On CUDA they are coalesced into one NCCL group where torch offers ``_coalescing_manager``;
+    elsewhere (gloo, or a torch without it) they are launched one by one.
+    """
+    manager = private.coalescing_manager()
+    if manager is None or len(pairs) < 2 or not pairs[0][0].is_cuda:
+        return [all_gather(output, piece, group) for output, piece in pairs]
+    with manager(group=group, async_ops=True) as coalesced:
+        for output, piece in pairs:
+            all_gather(output, piece, group)
+    return [coalesced]
+
+
 @dataclass(frozen=True)
 class Setup:
     """What every driver is built from."""
@@ -72,14 +91,16 @@ class Setup:
     buckets: list[list[torch.Tensor]]  # DDP's expected settled buckets
     interleaved: bool  # update each bucket behind the next one, or all after the last
     first_call_checks: Checks
+    step_mode: str = "per_bucket"  # "per_bucket", "fused" or "auto" (see step_mode.py)
 
 
 class Driver:
     """Per-(ddp, zero) state shared by every call of one wrapped hook.
 
     Subclasses implement :meth:`launch` (communicate one bucket's gradient; return an item with
-    a ``fut`` attribute, the future DDP gets) and :meth:`complete` (update the bucket's
-    parameters and send them out).
+    a ``fut`` attribute, the future DDP gets), :meth:`complete` (update the bucket's parameters
+    and send them out) and :meth:`complete_all` (the fused path: one step over every bucket's
+    parameters, then send them all out).
     """
 
     def __init__(self, setup: Setup, shard_buckets: bool) -> None:
@@ -96,6 +117,10 @@ class Driver:
         self.works: list[Any] = []
         self.stream: Any = None
         self.fallbacks = 0  # buckets allreduced instead of reduce-scattered once DDP settled
+        self.calibration = Calibration(self.group) if setup.step_mode == "auto" else None
+        self.mode = "per_bucket" if self.calibration is not None else setup.step_mode  # this backward's path
+        self.settled = False  # DDP has rebuilt its buckets: a plan checked since then stays valid
+        self.frozen: dict[int, Any] = {}  # bucket index -> plan, checked after DDP settled
         # Fix every parameter's owner now, for good: the step can then run from iteration 1.
         private.clear_cache(zero)
         owners = partition(setup.buckets, self.world, shard_buckets)
@@ -109,6 +134,9 @@ class Driver:
     def complete(self, item: Any) -> None:
         raise NotImplementedError
 
+    def complete_all(self, items: list[Any]) -> None:
+        raise NotImplementedError
+
     def start_backward(self) -> None:
         """Called on the first bucket of every backward."""
 
@@ -117,11 +145,24 @@ class Driver:
 
     # -- shared machinery ----------------------------------------------------------------------
 
-    def cached_plan(self, bucket: dist.GradBucket) -> tuple[Any, tuple[int, ...]]:
-        """The plan made for this bucket index if DDP still has the same parameters in it, and the key."""
-        key = tuple(id(p) for p in bucket.parameters())
-        plan = self.plans.get(bucket.index())
-        return (plan if plan is not None and plan.key == key else None), key
+    def plan(self, bucket: dist.GradBucket) -> Any:
+        """The plan of this bucket: made once per layout, never re-checked once DDP settled."""
+        index = bucket.index()
+        plan = self.frozen.get(index)
+        if plan is not None:
+            return plan
+        params = bucket.parameters()
+        key = tuple(id(p) for p in params)
+        plan = self.plans.get(index)
+        if plan is None or plan.key != key:
+            # DDP changed this bucket (first iterations, or its rebuild): plan it anew.
+            plan = self.plans[index] = self.make_plan(key, params)
+        if self.settled:
+            self.frozen[index] = plan  # DDP rebuilds its buckets once: this layout is final
+        return plan
+
+    def make_plan(self, key: tuple[int, ...], params: list[torch.Tensor]) -> Any:
+        raise NotImplementedError
 
     def in_stream(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the side stream (after the work queued so far), or directly off CUDA."""
@@ -134,18 +175,30 @@ class Driver:
             fn()
 
     def local_step(self, params: list[torch.Tensor]) -> None:
-        """Step the local optimizer on ``params`` only (their ``.grad`` set by the caller)."""
-        zero = self.zero
-        optim = zero.optim
-        private.sync_param_groups(zero, zero.param_groups, optim.param_groups)
-        group = optim.param_groups[0]
+        """Step the local optimizer on ``params`` only (their ``.grad`` set by the caller).
+
+        The hyperparameters are copied from ``zero.param_groups`` once per backward pass (see
+        :meth:`begin_backward`), not per call.
+        """
+        group = self.zero.optim.param_groups[0]
         everything = group["params"]
         try:
             group["params"] = params
-            optim.step()
+            self.zero.optim.step()
         finally:
             group["params"] = everything
-        private.sync_param_groups(zero, optim.param_groups, zero.param_groups)
+
+    def begin_backward(self, device: torch.device) -> None:
+        """Once per backward pass: pick its path and take the hyperparameters set since the last."""
+        zero = self.zero
+        private.sync_param_groups(zero, zero.param_groups, zero.optim.param_groups)
+        if not self.settled and private.has_rebuilt_buckets(self.ddp):
+            self.settled = True
+        if self.calibration is not None:
+            self.mode = self.calibration.next_mode(self.settled, device)
+            if self.calibration.chosen is not None:
+                self.calibration = None
+        self.start_backward()
 
     def finish(self) -> None:
         """Make the next forward see every updated parameter (a stream wait on CUDA)."""
@@ -168,14 +221,18 @@ class Driver:
         if index == 0:
             if self.pending or self.works:
                 self.reset()
-            self.start_backward()
-        buffer = bucket.buffer()
-        if self.stream is None and buffer.is_cuda:
-            self.stream = torch.cuda.Stream(device=buffer.device)
+            buffer = bucket.buffer()
+            if self.stream is None and buffer.is_cuda:
+                self.stream = torch.cuda.Stream(device=buffer.device)
+            self.begin_backward(buffer.device)
         item = self.launch(state, bucket)
         self.pending.append(item)
         last = bucket.is_last()
-        if self.interleaved:
+        if self.mode == "fused":
+            if last:
+                self.complete_all(self.pending)
+                self.pending = []
+        elif self.interleaved:
             # Update the previous bucket now: its step and parameter collective queue behind
             # this bucket's gradient collective, so the two pipeline instead of serializing.
             while len(self.pending) > (0 if last else 1):
@@ -185,8 +242,9 @@ class Driver:
                 self.complete(queued)
             self.pending.clear()
         if last:
-            for stale in [i for i in self.plans if i > index]:
-                del self.plans[stale]
+            if not self.settled:
+                for stale in [i for i in self.plans if i > index]:
+                    del self.plans[stale]
             self.end_backward()
             self.finish()
         return item.fut

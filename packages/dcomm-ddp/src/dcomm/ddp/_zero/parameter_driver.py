@@ -5,6 +5,8 @@ The wrapped hook averages every bucket (an allreduce). Each parameter has one ow
 sends it to the other ranks. A bucket's ZeRO parameters are packed by owner into one flat buffer
 that they become views of: when the owned pieces are nearly equal they are padded to one size
 and one ``all_gather_into_tensor`` returns them all, otherwise each owner broadcasts its piece.
+On the fused path every bucket's owned parameters are stepped together at the last bucket, and
+the collectives of every bucket follow back to back.
 
 Example::
 
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import dcomm.ddp._torch_private as private
-from dcomm.ddp._zero.driver import Driver, Setup, all_gather, averaged_bucket, optimizer_class
+from dcomm.ddp._zero.driver import Driver, Setup, all_gather, all_gathers, averaged_bucket, optimizer_class
 
 
 @dataclass
@@ -53,12 +55,18 @@ class _BucketPlan:
     flat: torch.Tensor | None
     gather: bool
     piece: int
+    # (param, its gradient view) of mine into DDP's bucket buffer at address ``views_of``: a hook
+    # that averages in place (allreduce_hook) hands over the same memory every step once DDP
+    # settled, so the views are made once.
+    grad_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    views_of: int = -1
 
 
 @dataclass
 class _Update:
     plan: _BucketPlan
     fut: torch.futures.Future
+    buffer_address: int  # of DDP's bucket buffer
 
 
 class ParameterDriver(Driver):
@@ -72,16 +80,8 @@ class ParameterDriver(Driver):
 
     # -- planning ---------------------------------------------------------------------------
 
-    def plan(self, bucket: dist.GradBucket) -> _BucketPlan:
-        plan, key = self.cached_plan(bucket)
-        if plan is None:
-            # DDP changed this bucket (first iterations, or a rebuild): pack its parameters anew.
-            plan = self._pack(key, bucket.parameters())
-            self.plans[bucket.index()] = plan
-        return plan
-
     @torch.no_grad()
-    def _pack(self, key: tuple[int, ...], params: list[torch.Tensor]) -> _BucketPlan:
+    def make_plan(self, key: tuple[int, ...], params: list[torch.Tensor]) -> _BucketPlan:
         owner_of = private.param_to_rank(self.zero)
         per_rank: dict[int, list[tuple[torch.Tensor, int]]] = {}
         offset = 0
@@ -122,43 +122,79 @@ class ParameterDriver(Driver):
 
     def launch(self, state: Any, bucket: dist.GradBucket) -> _Update:
         plan = self.plan(bucket)
-        return _Update(plan, self.hook(state, bucket))
+        return _Update(plan, self.hook(state, bucket), bucket.buffer().data_ptr())
 
     def complete(self, item: _Update) -> None:
         """Wait for the bucket's averaged gradient, step this rank's share, send it out."""
-        self.in_stream(lambda: self._step_and_send(item.plan, item.fut))
+        self.in_stream(lambda: self._step_and_send(item))
 
-    def _step_and_send(self, plan: _BucketPlan, fut: torch.futures.Future) -> None:
-        grad = averaged_bucket(fut.wait(), plan.numel)
+    def complete_all(self, items: list[_Update]) -> None:
+        """The fused path: one step over the owned parameters of every bucket, then send them all."""
+        self.in_stream(lambda: self._step_and_send_all(items))
+
+    def _step_and_send(self, item: _Update) -> None:
+        self._step_owned(self._owned_grads(item))
+        self._send(item.plan)
+
+    def _step_and_send_all(self, items: list[_Update]) -> None:
+        self._step_owned([owned for item in items for owned in self._owned_grads(item)])
+        gathers = [pair for item in items for pair in self._gather_pairs(item.plan)]
+        self.works.extend(all_gathers(gathers, self.group))
+        for item in items:
+            if not item.plan.gather:
+                self._send(item.plan)
+
+    def _owned_grads(self, item: _Update) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(param, averaged gradient)`` of the parameters this rank owns in the bucket."""
+        plan = item.plan
+        grad = averaged_bucket(item.fut.wait(), plan.numel)
         mine = plan.mine
-        if mine is not None:
-            if grad.dtype != plan.flat.dtype:
-                raise RuntimeError(
-                    f"hook: the wrapped hook returned a {grad.dtype} bucket for {plan.flat.dtype} "
-                    "parameters; wrap a hook that casts its result back to the bucket's dtype"
-                )
-            if self.stream is not None:
-                grad.record_stream(self.stream)
-            self._step_owned(mine, grad)
+        if mine is None:
+            return []
+        if grad.dtype != plan.flat.dtype:
+            raise RuntimeError(
+                f"hook: the wrapped hook returned a {grad.dtype} bucket for {plan.flat.dtype} "
+                "parameters; wrap a hook that casts its result back to the bucket's dtype"
+            )
+        if self.stream is not None:
+            grad.record_stream(self.stream)
+        address = grad.data_ptr()
+        if plan.grad_views is not None and plan.views_of == address:
+            return plan.grad_views
+        views = [(p, grad[off : off + p.numel()].view_as(p)) for p, off in zip(mine.params, mine.offsets, strict=True)]
+        if address == item.buffer_address:
+            # Views into DDP's own bucket buffer: keeping them holds no extra memory.
+            plan.grad_views, plan.views_of = views, address
+        return views
+
+    def _gather_pairs(self, plan: _BucketPlan) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(output, piece)`` of the bucket's all-gather, if it has one."""
+        if plan.flat is None or not plan.gather:
+            return []
+        return [(plan.flat, plan.flat[self.rank * plan.piece : (self.rank + 1) * plan.piece])]
+
+    def _send(self, plan: _BucketPlan) -> None:
+        """Return every owner's updated parameters to every rank."""
         flat = plan.flat
         if flat is None:
             return
         if plan.gather:
             # One collective returns every owner's updated piece to every rank.
-            mine_piece = flat[self.rank * plan.piece : (self.rank + 1) * plan.piece]
-            self.works.append(all_gather(flat, mine_piece, self.group))
+            self.works.extend(all_gather(output, piece, self.group) for output, piece in self._gather_pairs(plan))
         else:
             for owner in plan.owners:
                 piece = flat[owner.start : owner.start + owner.numel]
                 self.works.append(dist.broadcast(piece, src=owner.src, group=self.group, async_op=True))
 
-    def _step_owned(self, mine: _Owner, grad: torch.Tensor) -> None:
-        """Step ``mine.params`` with their slices of the averaged bucket as gradients."""
-        saved = [p.grad for p in mine.params]
+    def _step_owned(self, owned: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One local step of the ``owned`` parameters with the given gradients."""
+        if not owned:
+            return
+        saved = [p.grad for p, _ in owned]
         try:
-            for p, off in zip(mine.params, mine.offsets, strict=True):
-                p.grad = grad[off : off + p.numel()].view_as(p)
-            self.local_step(mine.params)
+            for p, grad in owned:
+                p.grad = grad
+            self.local_step([p for p, _ in owned])
         finally:
-            for p, g in zip(mine.params, saved, strict=True):
+            for (p, _), g in zip(owned, saved, strict=True):
                 p.grad = g

@@ -5,14 +5,18 @@ Every expected DDP bucket is a flat buffer cut into ``world`` equal slices (see
 every bucket. Per bucket and step: one reduce-scatter of ``bucket / world`` (in the wrapped
 hook's dtype), the step, one all-gather of the updated slices into the flat buffer.
 
-A DDP bucket that is not exactly one expected bucket (the first iteration's single bucket, or a
+A DDP bucket that holds exactly the parameters of one expected bucket in another order (a
+LayerNorm's weight gradient is ready before its bias) is copied into the planned order before its
+reduce-scatter (one foreach copy). Any other DDP bucket (the first iteration's single bucket, or a
 layout DDP chose differently) falls back: the wrapped hook averages it (an allreduce) and each
 rank copies out its slices. Slower, never wrong. After DDP has settled its buckets such a
 fallback warns once and is counted in ``fallbacks`` (see :func:`dcomm.ddp.fallback_count`).
 
 ``param.grad`` keeps this rank's local gradient on the fast path (the averaged slice goes to the
 optimizer only), so gradients accumulated over several backward passes reduce to exactly the
-sum that a non-overlapped ZeRO steps with.
+sum that a non-overlapped ZeRO steps with. On the fused path the slices of every bucket are
+stepped together at the last bucket, and their all-gathers follow back to back (one NCCL group
+where torch allows).
 
 Example::
 
@@ -32,7 +36,7 @@ import torch.distributed as dist
 import dcomm.ddp._torch_private as private
 from dcomm.core import reduce_scatter_future
 from dcomm.ddp._zero import checkpoint
-from dcomm.ddp._zero.driver import Driver, Setup, all_gather, averaged_bucket, optimizer_class
+from dcomm.ddp._zero.driver import Driver, Setup, all_gather, all_gathers, averaged_bucket, optimizer_class
 from dcomm.ddp._zero.layout import Shard, pack_shards
 
 
@@ -45,6 +49,10 @@ class _Plan:
     fast: Shard | None
     # fallback: (shard, bucket offset, flat offset, numel) of each ZeRO parameter in the bucket
     members: list[tuple[Shard, int, int, int]] = field(default_factory=list)
+    # fast, in another order: (bucket offset, flat offset, numel) of runs contiguous in both
+    runs: list[tuple[int, int, int]] = field(default_factory=list)
+    # (address of DDP's bucket buffer, its run views, ``fast.send``'s run views), made once
+    run_views: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
 
 
 @dataclass
@@ -74,15 +82,13 @@ class ShardedDriver(Driver):
 
     # -- planning ---------------------------------------------------------------------------
 
-    def plan(self, bucket: dist.GradBucket) -> _Plan:
-        plan, key = self.cached_plan(bucket)
-        if plan is not None:
-            return plan
-        params = bucket.parameters()
+    def make_plan(self, key: tuple[int, ...], params: list[torch.Tensor]) -> _Plan:
         numel = sum(p.numel() for p in params)
         fast = self.where.get(key[0], (None, 0))[0] if key else None
         if fast is not None and fast.key == key:
             plan = _Plan(key, numel, fast)
+        elif fast is not None and len(key) == len(fast.params) and set(key) == set(fast.key):
+            plan = _Plan(key, numel, fast, runs=self._runs(params))
         else:
             plan = _Plan(key, numel, None)
             offset = 0
@@ -91,16 +97,53 @@ class ShardedDriver(Driver):
                     shard, flat_offset = self.where[id(p)]
                     plan.members.append((shard, offset, flat_offset, p.numel()))
                 offset += p.numel()
-        self.plans[bucket.index()] = plan
         return plan
+
+    def _runs(self, params: list[torch.Tensor]) -> list[tuple[int, int, int]]:
+        """Where each run of ``params`` (DDP's order) goes in its planned flat buffer."""
+        runs: list[tuple[int, int, int]] = []
+        offset = 0
+        for p in params:
+            flat_offset = self.where[id(p)][1]
+            if runs and runs[-1][0] + runs[-1][2] == offset and runs[-1][1] + runs[-1][2] == flat_offset:
+                src, dst, numel = runs[-1]
+                runs[-1] = (src, dst, numel + p.numel())
+            else:
+                runs.append((offset, flat_offset, p.numel()))
+            offset += p.numel()
+        return runs
 
     # -- communication --------------------------------------------------------------------------
 
-    def _reduce_scatter(self, shard: Shard, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def _divide_into_send(self, plan: _Plan, buffer: torch.Tensor) -> None:
+        """``shard.send[:numel] = bucket / world`` in the planned order (the padding stays 0)."""
+        shard = plan.fast
+        assert shard is not None
+        if not plan.runs:
+            # Copy, cast to the communication dtype and divide: one kernel.
+            torch.div(buffer, self.world, out=shard.send[: shard.numel])
+            return
+        address = buffer.data_ptr()
+        if plan.run_views is None or plan.run_views[0] != address:
+            sources = [buffer[src : src + n] for src, _, n in plan.runs]
+            targets = [shard.send[dst : dst + n] for _, dst, n in plan.runs]
+            # Views into DDP's persistent bucket buffer: keeping them holds no extra memory.
+            plan.run_views = (address, sources, targets)
+        _, sources, targets = plan.run_views
+        copy = private.foreach_copy()
+        if copy is not None and buffer.dtype == shard.send.dtype:
+            copy(targets, sources)  # then the division in place: the same values as torch.div
+            shard.send[: shard.numel].div_(self.world)
+        else:
+            for source, target in zip(sources, targets, strict=True):
+                torch.div(source, self.world, out=target)  # divide before the cast, as the hooks do
+
+    def _reduce_scatter(self, plan: _Plan, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Sum ``bucket / world`` onto the slices' owners (``shard.recv``); DDP keeps the local bucket."""
+        shard = plan.fast
+        assert shard is not None
         buffer = bucket.buffer()
-        # Copy, cast to the communication dtype and divide: one kernel (the padding stays 0).
-        torch.div(buffer, self.world, out=shard.send[: shard.numel])
+        self._divide_into_send(plan, buffer)
 
         # DDP gets the bucket back unchanged: param.grad keeps the local gradient, so a gradient
         # accumulated over several backward passes still averages to plain ZeRO's.
@@ -142,10 +185,10 @@ class ShardedDriver(Driver):
         plan = self.plan(bucket)
         if plan.fast is not None:
             self._counting[0] += 1
-            item = _Pending(plan, self._reduce_scatter(plan.fast, bucket), [plan.fast])
+            item = _Pending(plan, self._reduce_scatter(plan, bucket), [plan.fast])
         else:
             item = _Pending(plan, *self._fallback(state, bucket, plan))
-        if self.stream is not None:
+        if self.stream is not None and self.mode == "per_bucket":
             # Queue this bucket's step now, behind its reduce-scatter: it runs on the side stream
             # while backward computes the next buckets (no CPU wait on NCCL).
             self.step(item)
@@ -158,6 +201,12 @@ class ShardedDriver(Driver):
             self.in_stream(lambda: self._step(item))
 
     def _step(self, item: _Pending) -> None:
+        self._gather_grads(item)
+        for shard in item.ready:
+            self.local_step([shard.slice])
+
+    def _gather_grads(self, item: _Pending) -> None:
+        """Put the averaged gradient of this rank's slices into ``shard.grad`` for ``item``'s shards."""
         # A stream wait on CUDA (the CPU does not block on NCCL), a real wait on gloo.
         value = item.fut.wait()
         plan = item.plan
@@ -168,7 +217,6 @@ class ShardedDriver(Driver):
                 shard.grad.copy_(shard.recv)
             if self.stream is not None:
                 shard.grad.record_stream(self.stream)
-            self.local_step([shard.slice])
 
     def _copy_owned(self, averaged: torch.Tensor, plan: _Plan) -> None:
         """Copy this rank's slice [lo, hi) of every member parameter into its shard's gradient."""
@@ -188,6 +236,19 @@ class ShardedDriver(Driver):
                 self.works.append(all_gather(shard.flat, shard.slice, self.group))
 
         self.in_stream(gather)
+
+    def complete_all(self, items: list[_Pending]) -> None:
+        """The fused path: one step over every slice, then all their all-gathers back to back."""
+
+        def step_and_gather() -> None:
+            for item in items:
+                self._gather_grads(item)
+            ready = [shard for item in items for shard in item.ready]
+            if ready:
+                self.local_step([shard.slice for shard in ready])
+            self.works.extend(all_gathers([(shard.flat, shard.slice) for shard in ready], self.group))
+
+        self.in_stream(step_and_gather)
 
     def end_backward(self) -> None:
         self.fast_buckets, self.fallback_buckets = self._counting

@@ -165,6 +165,14 @@ def write_chart_or_say_why(meta: dict[str, Any], path: str) -> None:
         print(f"[bench] no chart: {short_error(exc)}", flush=True)
 
 
+def write_json(path: str, meta: dict[str, Any], results: list[CaseResult]) -> None:
+    """Write the run's metadata and the results so far to ``path`` (nothing when it is empty)."""
+    if path:
+        meta["results"] = [result.to_json() for result in results]
+        with open(path, "w") as f:
+            json.dump(meta, f, indent=2)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
@@ -183,13 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         if bench.rank == 0:
             print(f"[bench] {case} {workload} {precision}: {result.rounds} rounds, {result.seconds:.1f}s", flush=True)
+            write_json(args.json, meta, results)  # after every case: a run cut short keeps what it measured
     if bench.rank == 0:
         print("\n".join(table_lines(results)), flush=True)
         print(f"[bench] total {time.perf_counter() - started:.1f}s", flush=True)
-        meta["results"] = [result.to_json() for result in results]
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(meta, f, indent=2)
+        write_json(args.json, meta, results)
         if args.chart:
             write_chart_or_say_why(meta, args.chart)
     bench.barrier()

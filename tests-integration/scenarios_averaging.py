@@ -15,23 +15,15 @@ import torch
 import torch.distributed as dist
 from harness import device, scenario
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
-from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
-from torch.distributed.algorithms.model_averaging import hierarchical_model_averager as torch_hier
 from torch.distributed.algorithms.model_averaging import utils as torch_utils
-from torch.distributed.optim import PostLocalSGDOptimizer as TorchPostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dcomm.averaging as dcomm_averaging
 from dcomm.core import intra_node_subgroups, local_world_size
+from dcomm_testing import implementation
 
 WARMUP = 3
 STEPS = 9
-
-
-class _TorchLib:
-    PeriodicModelAverager = torch_averagers.PeriodicModelAverager
-    HierarchicalModelAverager = torch_hier.HierarchicalModelAverager
-    PostLocalSGDOptimizer = TorchPostLocalSGDOptimizer
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,8 +70,8 @@ def _assert_same(ours: list[torch.Tensor], theirs: list[torch.Tensor], what: str
 
 def _train_against_torch(rank: int, make_averager: Callable[[Any], Any], name: str) -> None:
     subgroup, _ = intra_node_subgroups()
-    theirs = _Run(_TorchLib, make_averager, subgroup, layers=2)
-    ours = _Run(dcomm_averaging, make_averager, subgroup, layers=2)
+    theirs = _Run(implementation("torch"), make_averager, subgroup, layers=2)
+    ours = _Run(implementation("dcomm"), make_averager, subgroup, layers=2)
     for step in range(STEPS):
         theirs.step(rank, step)
         ours.step(rank, step)
@@ -249,7 +241,7 @@ def scenario_averaging_resume_mid_run(rank: int, world_size: int) -> None:
     def make(lib: Any) -> Any:
         return lib.HierarchicalModelAverager(sizes, WARMUP)
 
-    run = _Run(dcomm_averaging, make, subgroup, layers=1)
+    run = _Run(implementation("dcomm"), make, subgroup, layers=1)
     history, saved = [], {}
     for step in range(STEPS):
         if step in (2, 5):
@@ -267,7 +259,7 @@ def scenario_averaging_resume_mid_run(rank: int, world_size: int) -> None:
         history.append(run.params())
     for start, blob in saved.items():
         checkpoint = torch.load(io.BytesIO(blob), map_location=device())
-        resumed = _Run(dcomm_averaging, make, subgroup, layers=1, seed=123)
+        resumed = _Run(implementation("dcomm"), make, subgroup, layers=1, seed=123)
         resumed.model.module.load_state_dict(checkpoint["model"])
         resumed.opt.load_state_dict(checkpoint["opt"])
         resumed.hook_state.iter = checkpoint["iter"]

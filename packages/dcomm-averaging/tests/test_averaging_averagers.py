@@ -15,7 +15,7 @@ from torch.distributed.algorithms.model_averaging import averagers as torch_aver
 from torch.distributed.algorithms.model_averaging import hierarchical_model_averager as torch_hier
 
 from dcomm.averaging import HierarchicalModelAverager, ModelAverager, PeriodicModelAverager
-from dcomm.core.testing import run_ranks
+from dcomm_testing import run_ranks
 
 # step -> period of the group that averages (None: no averaging). Written out by hand from the
 # rule "past warm-up, the largest period dividing the step"; periodic: (step - warmup) % period.

@@ -21,7 +21,7 @@ from test_averaging_parameters import MIB, SPECS, AllocationTracker, assert_aver
 
 import dcomm.averaging.parameters as impl
 from dcomm.averaging import average_parameters
-from dcomm.core.testing import run_ranks
+from dcomm_testing import run_ranks
 
 # More parameters than one launch holds once the limits are lowered, every dtype.
 MANY = [((3, 5), torch.float32, False)] * 9 + [((7,), torch.bfloat16, False)] * 5 + [((4,), torch.float16, False)] * 4

@@ -24,7 +24,7 @@ from dcomm.averaging import (
     average_parameters_or_parameter_groups,
     get_params_to_average,
 )
-from dcomm.core.testing import run_ranks
+from dcomm_testing import run_ranks
 
 TOL = {
     torch.float64: 1e-12,

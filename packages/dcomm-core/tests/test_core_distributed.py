@@ -15,7 +15,7 @@ from dcomm.core import (
     intra_node_subgroups,
     reduce_scatter_future,
 )
-from dcomm.core.testing import RankFailure, run_ranks
+from dcomm_testing import RankFailure, run_ranks
 
 
 def rank_grad(rank: int, numel: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:

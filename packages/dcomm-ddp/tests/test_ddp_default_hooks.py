@@ -7,8 +7,6 @@ FP16_RTOL).
 """
 
 import inspect
-import multiprocessing.forkserver
-import sys
 from collections.abc import Callable
 
 import pytest
@@ -19,18 +17,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_h
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dcomm.ddp
-from dcomm.core.testing import run_ranks
 from dcomm.ddp import PostLocalSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _preload_ddp_in_forkserver() -> None:
-    # DDP's constructor imports torch._dynamo: seconds per rank process. Importing it once in
-    # the fork server that run_ranks starts ranks from (if not yet running) saves that per rank.
-    if sys.platform.startswith("linux"):
-        multiprocessing.forkserver.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
-        multiprocessing.forkserver.ensure_running()
-
+from dcomm_testing import run_ranks
 
 STEPS = 4
 # Relative error allowed in the parameter changes: the casts, divisions and world - 1 additions of

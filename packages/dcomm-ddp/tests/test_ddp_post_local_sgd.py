@@ -6,8 +6,6 @@ all different without it. dcomm's run must equal torch's bit for bit (the same f
 """
 
 import copy
-import multiprocessing.forkserver
-import sys
 from collections.abc import Callable
 
 import pytest
@@ -18,21 +16,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as to
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dcomm.core.testing import run_ranks
 from dcomm.ddp import PostLocalSGDState, post_localSGD_hook
+from dcomm_testing import run_ranks
 
 STEPS = 6
 START = 3
 BUCKET_CAPS = [0.0003] * 8  # several buckets per step: the counter must advance once per step
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _preload_ddp_in_forkserver() -> None:
-    # DDP's constructor imports torch._dynamo: seconds per rank process. Importing it once in
-    # the fork server that run_ranks starts ranks from (if not yet running) saves that per rank.
-    if sys.platform.startswith("linux"):
-        multiprocessing.forkserver.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
-        multiprocessing.forkserver.ensure_running()
 
 
 def make_model() -> nn.Module:

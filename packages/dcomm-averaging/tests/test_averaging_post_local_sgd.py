@@ -194,8 +194,15 @@ def _optimizer_api(rank: int, world: int) -> None:
 
     assert caught(back)
     assert caught(back) == caught(twin)
-    with pytest.raises(ValueError, match=r"state_dict\['step'\]: expected the averager's non-negative int step"):
-        back.load_state_dict({**state, "step": -1})
+    # A bad "step" is refused before anything is loaded: optimizer state and averager unchanged.
+    back.averager.step = 5
+    before = back.optim.state_dict()
+    for bad, error in [(-3, ValueError), ("3", TypeError), (torch.tensor(3), TypeError)]:
+        changed = {**state, "param_groups": [{**g, "lr": 9.0} for g in state["param_groups"]], "step": bad}
+        with pytest.raises(error, match=r"state_dict\['step'\]: expected a non-negative int"):
+            back.load_state_dict(changed)
+        assert back.averager.step == 5
+        assert back.optim.state_dict()["param_groups"] == before["param_groups"]
 
 
 def test_post_local_sgd_optimizer_api() -> None:

@@ -6,6 +6,7 @@ all different without it. dcomm's run must equal torch's bit for bit (the same f
 """
 
 import copy
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -221,20 +222,20 @@ def test_node_size_must_divide_world() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        ({"start_localSGD_iter": -1}, r"start_localSGD_iter: expected a non-negative int, got -1; pass"),
-        ({"start_localSGD_iter": 2.5}, r"start_localSGD_iter: expected a non-negative int, got 2\.5"),
-        ({"start_localSGD_iter": True}, r"start_localSGD_iter: expected a non-negative int, got True"),
-        ({"start_localSGD_iter": "10"}, r"start_localSGD_iter: expected a non-negative int, got '10'"),
-        ({"post_local_gradient_allreduce": "yes"}, r"post_local_gradient_allreduce: expected True or False"),
-        ({"process_group": 3}, r"process_group: expected a ProcessGroup or None, got int; pass"),
-        ({"subgroup": "node"}, r"subgroup: expected a ProcessGroup or None, got str; pass"),
+        ({"start_localSGD_iter": -1}, ValueError, r"start_localSGD_iter: expected a non-negative int, got -1; pass"),
+        ({"start_localSGD_iter": 2.5}, TypeError, r"start_localSGD_iter: expected a non-negative int, got 2\.5"),
+        ({"start_localSGD_iter": True}, TypeError, r"start_localSGD_iter: expected a non-negative int, got True"),
+        ({"start_localSGD_iter": "10"}, TypeError, r"start_localSGD_iter: expected a non-negative int, got '10'"),
+        ({"post_local_gradient_allreduce": "yes"}, TypeError, r"post_local_gradient_allreduce: expected True or False"),
+        ({"process_group": 3}, TypeError, r"process_group: expected a ProcessGroup or None, got int; pass"),
+        ({"subgroup": "node"}, TypeError, r"subgroup: expected a ProcessGroup or None, got str; pass"),
     ],
 )
-def test_bad_arguments(kwargs: dict, match: str) -> None:
+def test_bad_arguments(kwargs: dict, error: type[Exception], match: str) -> None:
     args = {"process_group": None, "subgroup": None, "start_localSGD_iter": 3} | kwargs
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         PostLocalSGDState(**args)
 
 
@@ -243,22 +244,32 @@ def test_state_dict_round_trip_and_bad_state_dicts() -> None:
     state.iter = 7
     saved = state.state_dict()
     assert saved == {"iter": 7, "start_localSGD_iter": 5, "post_local_gradient_allreduce": False}
-    fresh = PostLocalSGDState(None, None, 0)
-    fresh.load_state_dict(saved)
+    fresh = PostLocalSGDState(None, None, 5, post_local_gradient_allreduce=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh.load_state_dict(saved)
     assert (fresh.iter, fresh.start_localSGD_iter, fresh.post_local_gradient_allreduce) == (7, 5, False)
     assert "iter=7" in repr(fresh)
     with pytest.raises(AttributeError):
         fresh.unknown = 1  # __slots__
 
-    with pytest.raises(ValueError, match="state_dict: expected a mapping"):
-        fresh.load_state_dict([7, 5, False])
-    with pytest.raises(ValueError, match=r"state_dict: missing keys \['start_localSGD_iter'"):
-        fresh.load_state_dict({"iter": 1})
-    with pytest.raises(ValueError, match=r"state_dict\['iter'\]: expected a non-negative int, got -2"):
-        fresh.load_state_dict(saved | {"iter": -2})
-    with pytest.raises(ValueError, match=r"state_dict\['post_local_gradient_allreduce'\]: expected True or False"):
-        fresh.load_state_dict(saved | {"post_local_gradient_allreduce": 1})
-    assert fresh.state_dict() == saved  # a rejected load changes nothing
+    # A differing schedule is the averagers' policy: the constructed one stays, and a warning says so.
+    other = PostLocalSGDState(None, None, 3, post_local_gradient_allreduce=False)
+    with pytest.warns(UserWarning, match=r"saved start_localSGD_iter=5 differs from this PostLocalSGDState's .*=3"):
+        other.load_state_dict(saved)
+    assert (other.iter, other.start_localSGD_iter) == (7, 3)
+
+    fresh.iter = 4
+    for bad, error, match in [
+        ([7, 5, False], TypeError, "state_dict: expected the mapping PostLocalSGDState.state_dict"),
+        ({"start_localSGD_iter": 5}, ValueError, r"state_dict: missing keys \['iter'\]"),
+        (saved | {"iter": -2}, ValueError, r"state_dict\['iter'\]: expected a non-negative int, got -2"),
+        (saved | {"iter": torch.tensor(3)}, TypeError, r"state_dict\['iter'\]: expected a non-negative int"),
+        (saved | {"iter": "3"}, TypeError, r"state_dict\['iter'\]: expected a non-negative int, got '3'"),
+    ]:
+        with pytest.raises(error, match=match):
+            fresh.load_state_dict(bad)
+        assert fresh.iter == 4  # a rejected load changes nothing
 
 
 def test_hook_rejects_other_states() -> None:

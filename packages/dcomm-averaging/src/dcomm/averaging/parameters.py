@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from dcomm.core import divide_factors, reduced_by_nccl, resolve_group
+from dcomm.core.validation import positive_number
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -90,12 +91,7 @@ def _flat_view(param: torch.Tensor) -> torch.Tensor:
 
 
 def _check_bucket_cap_mb(bucket_cap_mb: object) -> float:
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
-        raise ValueError(
-            f"bucket_cap_mb: expected a positive number of MiB, got {bucket_cap_mb!r}; "
-            f"pass e.g. {DEFAULT_BUCKET_CAP_MB:g}"
-        )
-    return float(bucket_cap_mb)
+    return positive_number("bucket_cap_mb", bucket_cap_mb, f"pass a bound in MiB, e.g. {DEFAULT_BUCKET_CAP_MB:g}")
 
 
 def _check_device(device: torch.device, group: dist.ProcessGroup) -> None:

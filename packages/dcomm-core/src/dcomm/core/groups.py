@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dcomm.core.collectives import resolve_group
+from dcomm.core.validation import positive_int
 
 __all__ = ["intra_node_subgroups", "local_world_size", "subgroups_of_size"]
 
@@ -66,8 +67,9 @@ def subgroups_of_size(
     parent = resolve_group(group)
     ranks = dist.get_process_group_ranks(parent)
     world = len(ranks)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world % size:
-        divisors = [d for d in range(1, world + 1) if world % d == 0]
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    positive_int(what, size, f"use one of {divisors}")
+    if world % size:
         raise ValueError(f"{what}: {size!r} does not divide the group size {world}; use one of {divisors}")
     if size == world:
         return (parent if dist.get_rank() in ranks else None), [parent]

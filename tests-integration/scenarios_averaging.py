@@ -19,7 +19,7 @@ from torch.distributed.algorithms.model_averaging import utils as torch_utils
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dcomm.averaging as dcomm_averaging
-from dcomm.core import intra_node_subgroups, local_world_size
+from dcomm.core import intra_node_subgroups, local_world_size, reduced_by_nccl
 from dcomm_testing import implementation
 
 WARMUP = 3
@@ -160,7 +160,7 @@ def scenario_averaging_in_place_coalesced(rank: int, world_size: int) -> None:
     from dcomm.averaging import parameters as impl
 
     on_nccl = dist.get_backend() == "nccl"
-    assert impl._averages_in_place(torch.empty(0, device=device()), dist.group.WORLD) == on_nccl
+    assert reduced_by_nccl(dist.group.WORLD, device()) == on_nccl
     shapes = [(4 + i % 7, 3 + i % 5) for i in range(150)] + [(33,)] * 3
     dtypes = [torch.float32] * 150 + [torch.bfloat16] * 3
     values = [
@@ -188,39 +188,31 @@ def scenario_averaging_in_place_coalesced(rank: int, world_size: int) -> None:
     params = build()
     pointers = [(p.data_ptr(), p.stride()) for p in params]
     calls: list[list[torch.Tensor]] = []
-    real = impl._average_in_place
-
-    def spy(tensors: list[torch.Tensor], *args: Any) -> None:
-        calls.append(list(tensors))
-        real(tensors, *args)
+    observed = impl._Paths(on_in_place=lambda tensors: calls.append(list(tensors)))
 
     def averaged_without_memory(params: list[torch.nn.Parameter]) -> None:
         if on_nccl:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        dcomm_averaging.average_parameters(params, None)
+        impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, observed)
         if on_nccl:
             extra = torch.cuda.max_memory_allocated() - base
             assert extra == 0, f"the in-place path allocated {extra} bytes of device memory"
 
-    impl._average_in_place = spy  # type: ignore[assignment]
-    try:
-        averaged_without_memory(params)
-        assert [len(c) for c in calls] == ([151, 3] if on_nccl else []), "fp32 + bf16 in place on NCCL only"
-        # The flattened model: one buffer, one allreduce of all of it, no extra memory.
-        flat = torch.cat([v.reshape(-1) for v in values[rank][:150]]).float().to(device())
-        numels = [torch.Size(shape).numel() for shape in shapes[:150]]
-        carved = [
-            torch.nn.Parameter(piece.view(shape)) for piece, shape in zip(flat.split(numels), shapes[:150], strict=True)
-        ]
-        calls.clear()
-        averaged_without_memory(carved)
-        if on_nccl:
-            assert len(calls) == 1
-            assert [t.numel() for t in calls[0]] == [flat.numel()], "the carved parameters were not joined"
-    finally:
-        impl._average_in_place = real  # type: ignore[assignment]
+    averaged_without_memory(params)
+    assert [len(c) for c in calls] == ([151, 3] if on_nccl else []), "fp32 + bf16 in place on NCCL only"
+    # The flattened model: one buffer, one allreduce of all of it, no extra memory.
+    flat = torch.cat([v.reshape(-1) for v in values[rank][:150]]).float().to(device())
+    numels = [torch.Size(shape).numel() for shape in shapes[:150]]
+    carved = [
+        torch.nn.Parameter(piece.view(shape)) for piece, shape in zip(flat.split(numels), shapes[:150], strict=True)
+    ]
+    calls.clear()
+    averaged_without_memory(carved)
+    if on_nccl:
+        assert len(calls) == 1
+        assert [t.numel() for t in calls[0]] == [flat.numel()], "the carved parameters were not joined"
     for p, i in zip(carved, range(150), strict=True):
         want = torch.stack([values[r][i] for r in range(world_size)]).mean(0)
         torch.testing.assert_close(p.detach().double().cpu(), want, rtol=1e-6, atol=1e-6)

@@ -263,3 +263,18 @@ def test_public_names() -> None:
         "post_localSGD_hook",
     }
     assert dcomm.ddp.__version__.count(".") == 2
+
+
+def _sparse_gradients(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    for hook in (fp16_compress_hook, bf16_compress_hook):
+        model = DDP(nn.Embedding(10, 3, sparse=True))
+        model.register_comm_hook(None, hook)
+        loss = model(torch.tensor([rank, rank + 1])).sum()
+        with pytest.raises(Exception, match=r"bucket: \w+ compresses dense gradients, but this bucket holds a sparse"):
+            loss.backward()
+
+
+@pytest.mark.timeout(300)
+def test_sparse_gradients_named_in_compress_hooks() -> None:
+    run_ranks(_sparse_gradients, 2)

@@ -33,7 +33,7 @@ from dcomm.averaging.parameters import (
     _check_bucket_cap_mb,
     average_parameters_or_parameter_groups,
 )
-from dcomm.core import subgroups_of_size
+from dcomm.core import member_size, subgroups_of_size
 
 __all__ = ["HierarchicalModelAverager"]
 
@@ -133,7 +133,11 @@ class HierarchicalModelAverager(ModelAverager):
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     ) -> None:
         super().__init__(process_group)
-        world = dist.get_world_size(self.process_group)
+        world = member_size(
+            self.process_group,
+            "process_group",
+            "build the HierarchicalModelAverager only on the ranks of process_group, or pass a group holding this rank",
+        )
         self.warmup_steps: int = check_warmup_steps(warmup_steps)
         self.bucket_cap_mb = _check_bucket_cap_mb(bucket_cap_mb)
         checked = _validate(period_group_size_dict, world)

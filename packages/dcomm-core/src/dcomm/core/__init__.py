@@ -8,10 +8,14 @@ Example::
 """
 
 from dcomm.core.__about__ import __version__
+from dcomm.core.averaging import AveragePlan, average_sync, plan_average
 from dcomm.core.collectives import (
+    all_gather_single,
     allreduce_future,
     group_size,
+    member_size,
     reduce_scatter_future,
+    reduce_scatter_single,
     reduced_by_nccl,
     resolve_group,
     start_allreduce,
@@ -34,11 +38,14 @@ from dcomm.core.state import DefaultState, LowPrecisionState
 
 __all__ = [
     "LOW_PRECISION_DTYPES",
+    "AveragePlan",
     "DefaultState",
     "LowPrecisionState",
     "QUANTIZED_FORMATS",
     "__version__",
+    "all_gather_single",
     "allreduce_future",
+    "average_sync",
     "cast_for_communication",
     "copy_back",
     "dequantize",
@@ -47,9 +54,12 @@ __all__ = [
     "intra_node_subgroups",
     "keep_until_stream_done",
     "local_world_size",
+    "member_size",
     "payload_bytes",
+    "plan_average",
     "quantize",
     "reduce_scatter_future",
+    "reduce_scatter_single",
     "reduced_by_nccl",
     "resolve_group",
     "start_allreduce",

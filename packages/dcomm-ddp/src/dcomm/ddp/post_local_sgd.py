@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcomm.core import allreduce_future, intra_node_subgroups, resolve_group
+from dcomm.core import allreduce_future, intra_node_subgroups, plan_average, resolve_group
 from dcomm.core.validation import boolean, check_state_dict, non_negative_int
 
 __all__ = ["PostLocalSGDState", "post_localSGD_hook"]
@@ -200,4 +200,8 @@ def post_localSGD_hook(state: PostLocalSGDState, bucket: dist.GradBucket) -> tor
             logger.info("post-local SGD: local SGD from iteration %d on", state.iter)
     if group is None or group.size() == 1:
         return _done(buffer)
-    return allreduce_future(buffer, group, predivide=float(group.size()))
+    # torch's arithmetic, bit for bit: divide by the group size, then SUM.
+    plan = plan_average(
+        group, buffer.dtype, buffer.device, arithmetic="predivide", nccl_average=False, nccl_premul=False
+    )
+    return allreduce_future(buffer, group, predivide=plan.pre, postdivide=plan.post, op=plan.op)

@@ -19,7 +19,7 @@ from torch.distributed.algorithms.model_averaging import utils as torch_utils
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dcomm.averaging as dcomm_averaging
-from dcomm.core import intra_node_subgroups, local_world_size, reduced_by_nccl
+from dcomm.core import intra_node_subgroups, reduced_by_nccl
 from dcomm_testing import implementation
 
 WARMUP = 3
@@ -98,13 +98,11 @@ def scenario_averaging_hierarchical_three_level(rank: int, world_size: int) -> N
 
 @scenario(min_world_size=2)
 def scenario_averaging_intra_node_groups(rank: int, world_size: int) -> None:
-    node = local_world_size()
-    if world_size % node:
-        node = 1
-    mine, _ = intra_node_subgroups() if node == local_world_size() else (None, [])
+    mine, _ = intra_node_subgroups()  # the nodes every rank agrees on
+    node = dist.get_world_size(mine)
     sizes = {1: node, 2: world_size} if node < world_size else {2: world_size}
     averager = dcomm_averaging.HierarchicalModelAverager(sizes)
-    if mine is not None and node < world_size:
+    if node < world_size:
         inner = averager.period_process_group_dict[1]
         assert dist.get_process_group_ranks(inner) == dist.get_process_group_ranks(mine)
     # Step 0 averages over everyone, step 1 within the node: check step 1 against float64.

@@ -6,6 +6,7 @@ all different without it. dcomm's run must equal torch's bit for bit (the same f
 """
 
 import copy
+import os
 import warnings
 from collections.abc import Callable
 
@@ -206,7 +207,7 @@ def test_resume_at_any_step_is_bit_identical(world: int) -> None:
 
 
 def _node_size_does_not_divide(rank: int, world: int) -> None:
-    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE: 3 does not divide the group size 4; use one of"):
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE: 3 does not divide the 4 ranks \[0, 1, 2, 3\]"):
         PostLocalSGDState(None, None, 2)
     # No subgroup needed, none built: constructing is fine.
     assert PostLocalSGDState(None, None, 2, post_local_gradient_allreduce=False).subgroup is None
@@ -219,6 +220,18 @@ def _node_size_does_not_divide(rank: int, world: int) -> None:
 
 def test_node_size_must_divide_world() -> None:
     run_ranks(_node_size_does_not_divide, 4, env={"LOCAL_WORLD_SIZE": "3"})
+
+
+def _node_sizes_disagree(rank: int, world: int) -> None:
+    os.environ["LOCAL_WORLD_SIZE"] = "2" if rank < 2 else "4"
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE: the ranks disagree \(2 on ranks \[0, 1\], 4 on"):
+        PostLocalSGDState(None, None, 2)
+
+
+@pytest.mark.timeout(300)
+def test_node_sizes_that_disagree_raise_on_every_rank() -> None:
+    """Once silently corrupting: ranks 0-1 built pairs, ranks 2-3 one group of 4."""
+    run_ranks(_node_sizes_disagree, 4)
 
 
 @pytest.mark.parametrize(

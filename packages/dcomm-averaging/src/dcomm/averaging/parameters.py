@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from dcomm.averaging._torch_private import foreach_copy_, foreach_div_
 from dcomm.core import plan_average, reduced_by_nccl, resolve_group
 from dcomm.core.validation import positive_number
 
@@ -217,12 +218,12 @@ def _average_in_place(
     for start in range(0, len(tensors), launch_max_tensors):
         chunk = tensors[start : start + launch_max_tensors]
         if pre != 1.0:
-            torch._foreach_div_(chunk, pre)
+            foreach_div_(chunk, pre)
         launched.append((group.allreduce_coalesced(chunk, options), chunk))
     for work, chunk in launched:
         work.wait()  # on CUDA: the current stream waits for the collective, the host does not
         if post != 1.0:
-            torch._foreach_div_(chunk, post)
+            foreach_div_(chunk, post)
 
 
 def _average_group(flats: list[torch.Tensor], group: dist.ProcessGroup, staging: _Staging) -> None:
@@ -239,7 +240,7 @@ def _average_group(flats: list[torch.Tensor], group: dist.ProcessGroup, staging:
             staged.div_(post)
         targets = [s.view() for s in segments]
         sources = list(staged.split([s.length for s in segments]))
-        torch._foreach_copy_(targets, sources)
+        foreach_copy_(targets, sources)
 
     for index, segments in enumerate(_buckets(flats, capacity)):
         if len(in_flight) == len(buffers):

@@ -21,7 +21,7 @@ from dcomm.core.collectives import (
     start_allreduce,
 )
 from dcomm.core.divide_factors import divide_factors
-from dcomm.core.groups import intra_node_subgroups, local_world_size, subgroups_of_size
+from dcomm.core.groups import host_identity, intra_node_subgroups, local_world_size, node_layout, subgroups_of_size
 from dcomm.core.low_precision import (
     LOW_PRECISION_DTYPES,
     cast_for_communication,
@@ -51,10 +51,12 @@ __all__ = [
     "dequantize",
     "divide_factors",
     "group_size",
+    "host_identity",
     "intra_node_subgroups",
     "keep_until_stream_done",
     "local_world_size",
     "member_size",
+    "node_layout",
     "payload_bytes",
     "plan_average",
     "quantize",

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from dcomm.core._torch_private import make_nccl_premul_sum
 from dcomm.core.collectives import reduce_scatter_single, reduced_by_nccl, resolve_group
 from dcomm.core.divide_factors import divide_factors
 from dcomm.core.validation import one_of
@@ -94,9 +95,8 @@ def plan_average(
     if world > 1 and (nccl_average or nccl_premul) and reduced_by_nccl(group, device):
         if nccl_average and dtype in _NCCL_AVG_DTYPES:
             return AveragePlan(dist.ReduceOp.AVG, 1.0, 1.0)  # NCCL divides inside the sum
-        make_premul = getattr(dist, "_make_nccl_premul_sum", None)
-        if nccl_premul and pre > 1 and make_premul is not None:
-            return AveragePlan(make_premul(1.0 / pre), 1.0, post)
+        if nccl_premul and pre > 1:
+            return AveragePlan(make_nccl_premul_sum(1.0 / pre), 1.0, post)
     return AveragePlan(dist.ReduceOp.SUM, pre, post)
 
 

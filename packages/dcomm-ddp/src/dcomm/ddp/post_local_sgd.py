@@ -8,8 +8,8 @@ them only within ``subgroup`` (one group per node by default), or not at all whe
 
 Unlike torch's version, :class:`PostLocalSGDState` can be checkpointed (``state_dict()`` /
 ``load_state_dict()``), keeps counting iterations after the switch, builds its intra-node
-subgroups from the launcher's ``LOCAL_WORLD_SIZE`` (so it also works on CPU), and rejects bad
-arguments with an error that says what to pass.
+subgroups from nodes that every rank agrees on (host and ``LOCAL_WORLD_SIZE``; it also works on
+CPU), and rejects bad arguments with an error that says what to pass.
 
 Example::
 
@@ -61,10 +61,11 @@ class PostLocalSGDState:
     Args:
         process_group: the group gradients are averaged over before the switch (WORLD when None).
         subgroup: the group they are averaged over after it. When None, one group per node is
-            built from ``LOCAL_WORLD_SIZE`` (set by torchrun; else the GPU count, else 1): here if
-            the default process group already exists, otherwise at the first local step. Every
-            rank must construct the state (group creation is collective); a node size that does
-            not divide the world size is a ``ValueError`` here, before training starts.
+            built (:func:`dcomm.core.intra_node_subgroups`: nodes agreed by every rank from its
+            host and ``LOCAL_WORLD_SIZE``): here if the default process group already exists,
+            otherwise at the first local step. Every rank must construct the state (this is
+            collective); node sizes that disagree between ranks or with the hosts are a
+            ``ValueError`` on every rank, before training starts.
         start_localSGD_iter: how many iterations average globally before the switch (>= 0).
         post_local_gradient_allreduce: average within ``subgroup`` after the switch (True), or
             leave each rank's gradient untouched (False).

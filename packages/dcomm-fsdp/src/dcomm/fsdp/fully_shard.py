@@ -42,6 +42,8 @@ from dcomm.core import (
     plan_average,
     reduce_scatter_single,
 )
+from dcomm.core.torch_private import TorchChanged
+from dcomm.fsdp._torch_private import fsdp_param_groups, mp_policy, set_mp_policy
 
 __all__ = ["LowPrecisionReduceScatter", "low_precision_mp_policy", "use_low_precision_reduction"]
 
@@ -265,33 +267,27 @@ def _reduces_in(policy: Any, dtype: torch.dtype) -> bool:
 
 
 def _set_reduce_dtype(module: nn.Module, dtype: torch.dtype) -> bool:
-    """Make ``module``'s FSDP2 parameter groups reduce in ``dtype``; False where torch's internals differ.
+    """Make ``module``'s FSDP2 parameter groups reduce in ``dtype``; False (and a warning) where torch differs.
 
-    FSDP2 has no public setter for the mixed-precision policy after ``fully_shard``. Its releases
-    (2.4 to 2.13 at least) keep it as ``FSDPParamGroup.mp_policy`` (a frozen dataclass), read it in
-    ``FSDPParamGroup._init_mp_dtypes`` (run by the lazy init at the first forward) and keep the
-    parameter groups under ``FSDPState._fsdp_param_group`` (one) or ``_fsdp_param_groups`` (a list,
-    newer releases). Where this returns False the reduce-scatter casts by itself and warns.
+    FSDP2 has no public setter for the mixed-precision policy after ``fully_shard``: the
+    parameter groups are reached through :mod:`dcomm.fsdp._torch_private`. Where a torch release
+    changed them the reduce-scatter casts by itself (correct, slower) and the warning says which
+    member changed.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     try:
-        state = module._get_fsdp_state()  # type: ignore[operator]
-    except (AttributeError, AssertionError):
+        for group in fsdp_param_groups(module):
+            policy = mp_policy(group)
+            if not isinstance(policy, MixedPrecisionPolicy):
+                raise TorchChanged(
+                    f"torch {torch.__version__} changed a parameter group's mp_policy: got {type(policy).__name__}"
+                )
+            if not _reduces_in(policy, dtype):
+                set_mp_policy(group, dataclasses.replace(policy, reduce_dtype=dtype))
+    except TorchChanged as changed:
+        warnings.warn(f"use_low_precision_reduction: {changed}", UserWarning, stacklevel=3)
         return False
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [] if group is None else [group]
-    for group in groups:
-        policy = getattr(group, "mp_policy", None)
-        if not isinstance(policy, MixedPrecisionPolicy) or not callable(getattr(group, "_init_mp_dtypes", None)):
-            return False
-        if _reduces_in(policy, dtype):
-            continue
-        group.mp_policy = dataclasses.replace(policy, reduce_dtype=dtype)
-        if "_reduce_dtype" in vars(group):  # lazily initialised already: recompute the dtypes now
-            group._init_mp_dtypes()
     return True
 
 

@@ -139,7 +139,7 @@ def _compress_hook(
 
     def cast_back(fut: torch.futures.Future) -> torch.Tensor:
         fut.wait()
-        return copy_back(buffer, low, plan.post)  # cast back into the bucket: one kernel
+        return copy_back(buffer, low)  # cast back into the bucket: one kernel (plan.post is 1)
 
     return fut.then(cast_back)
 

@@ -15,23 +15,15 @@ import torch
 import torch.distributed as dist
 from harness import device, scenario
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
-from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
-from torch.distributed.algorithms.model_averaging import hierarchical_model_averager as torch_hier
 from torch.distributed.algorithms.model_averaging import utils as torch_utils
-from torch.distributed.optim import PostLocalSGDOptimizer as TorchPostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dcomm.averaging as dcomm_averaging
-from dcomm.core import intra_node_subgroups, local_world_size
+from dcomm.core import intra_node_subgroups, reduced_by_nccl
+from dcomm_testing import implementation
 
 WARMUP = 3
 STEPS = 9
-
-
-class _TorchLib:
-    PeriodicModelAverager = torch_averagers.PeriodicModelAverager
-    HierarchicalModelAverager = torch_hier.HierarchicalModelAverager
-    PostLocalSGDOptimizer = TorchPostLocalSGDOptimizer
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,8 +70,8 @@ def _assert_same(ours: list[torch.Tensor], theirs: list[torch.Tensor], what: str
 
 def _train_against_torch(rank: int, make_averager: Callable[[Any], Any], name: str) -> None:
     subgroup, _ = intra_node_subgroups()
-    theirs = _Run(_TorchLib, make_averager, subgroup, layers=2)
-    ours = _Run(dcomm_averaging, make_averager, subgroup, layers=2)
+    theirs = _Run(implementation("torch"), make_averager, subgroup, layers=2)
+    ours = _Run(implementation("dcomm"), make_averager, subgroup, layers=2)
     for step in range(STEPS):
         theirs.step(rank, step)
         ours.step(rank, step)
@@ -106,13 +98,11 @@ def scenario_averaging_hierarchical_three_level(rank: int, world_size: int) -> N
 
 @scenario(min_world_size=2)
 def scenario_averaging_intra_node_groups(rank: int, world_size: int) -> None:
-    node = local_world_size()
-    if world_size % node:
-        node = 1
-    mine, _ = intra_node_subgroups() if node == local_world_size() else (None, [])
+    mine, _ = intra_node_subgroups()  # the nodes every rank agrees on
+    node = dist.get_world_size(mine)
     sizes = {1: node, 2: world_size} if node < world_size else {2: world_size}
     averager = dcomm_averaging.HierarchicalModelAverager(sizes)
-    if mine is not None and node < world_size:
+    if node < world_size:
         inner = averager.period_process_group_dict[1]
         assert dist.get_process_group_ranks(inner) == dist.get_process_group_ranks(mine)
     # Step 0 averages over everyone, step 1 within the node: check step 1 against float64.
@@ -168,7 +158,7 @@ def scenario_averaging_in_place_coalesced(rank: int, world_size: int) -> None:
     from dcomm.averaging import parameters as impl
 
     on_nccl = dist.get_backend() == "nccl"
-    assert impl._averages_in_place(torch.empty(0, device=device()), dist.group.WORLD) == on_nccl
+    assert reduced_by_nccl(dist.group.WORLD, device()) == on_nccl
     shapes = [(4 + i % 7, 3 + i % 5) for i in range(150)] + [(33,)] * 3
     dtypes = [torch.float32] * 150 + [torch.bfloat16] * 3
     values = [
@@ -196,39 +186,31 @@ def scenario_averaging_in_place_coalesced(rank: int, world_size: int) -> None:
     params = build()
     pointers = [(p.data_ptr(), p.stride()) for p in params]
     calls: list[list[torch.Tensor]] = []
-    real = impl._average_in_place
-
-    def spy(tensors: list[torch.Tensor], *args: Any) -> None:
-        calls.append(list(tensors))
-        real(tensors, *args)
+    observed = impl._Paths(on_in_place=lambda tensors: calls.append(list(tensors)))
 
     def averaged_without_memory(params: list[torch.nn.Parameter]) -> None:
         if on_nccl:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        dcomm_averaging.average_parameters(params, None)
+        impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, observed)
         if on_nccl:
             extra = torch.cuda.max_memory_allocated() - base
             assert extra == 0, f"the in-place path allocated {extra} bytes of device memory"
 
-    impl._average_in_place = spy  # type: ignore[assignment]
-    try:
-        averaged_without_memory(params)
-        assert [len(c) for c in calls] == ([151, 3] if on_nccl else []), "fp32 + bf16 in place on NCCL only"
-        # The flattened model: one buffer, one allreduce of all of it, no extra memory.
-        flat = torch.cat([v.reshape(-1) for v in values[rank][:150]]).float().to(device())
-        numels = [torch.Size(shape).numel() for shape in shapes[:150]]
-        carved = [
-            torch.nn.Parameter(piece.view(shape)) for piece, shape in zip(flat.split(numels), shapes[:150], strict=True)
-        ]
-        calls.clear()
-        averaged_without_memory(carved)
-        if on_nccl:
-            assert len(calls) == 1
-            assert [t.numel() for t in calls[0]] == [flat.numel()], "the carved parameters were not joined"
-    finally:
-        impl._average_in_place = real  # type: ignore[assignment]
+    averaged_without_memory(params)
+    assert [len(c) for c in calls] == ([151, 3] if on_nccl else []), "fp32 + bf16 in place on NCCL only"
+    # The flattened model: one buffer, one allreduce of all of it, no extra memory.
+    flat = torch.cat([v.reshape(-1) for v in values[rank][:150]]).float().to(device())
+    numels = [torch.Size(shape).numel() for shape in shapes[:150]]
+    carved = [
+        torch.nn.Parameter(piece.view(shape)) for piece, shape in zip(flat.split(numels), shapes[:150], strict=True)
+    ]
+    calls.clear()
+    averaged_without_memory(carved)
+    if on_nccl:
+        assert len(calls) == 1
+        assert [t.numel() for t in calls[0]] == [flat.numel()], "the carved parameters were not joined"
     for p, i in zip(carved, range(150), strict=True):
         want = torch.stack([values[r][i] for r in range(world_size)]).mean(0)
         torch.testing.assert_close(p.detach().double().cpu(), want, rtol=1e-6, atol=1e-6)
@@ -249,7 +231,7 @@ def scenario_averaging_resume_mid_run(rank: int, world_size: int) -> None:
     def make(lib: Any) -> Any:
         return lib.HierarchicalModelAverager(sizes, WARMUP)
 
-    run = _Run(dcomm_averaging, make, subgroup, layers=1)
+    run = _Run(implementation("dcomm"), make, subgroup, layers=1)
     history, saved = [], {}
     for step in range(STEPS):
         if step in (2, 5):
@@ -267,7 +249,7 @@ def scenario_averaging_resume_mid_run(rank: int, world_size: int) -> None:
         history.append(run.params())
     for start, blob in saved.items():
         checkpoint = torch.load(io.BytesIO(blob), map_location=device())
-        resumed = _Run(dcomm_averaging, make, subgroup, layers=1, seed=123)
+        resumed = _Run(implementation("dcomm"), make, subgroup, layers=1, seed=123)
         resumed.model.module.load_state_dict(checkpoint["model"])
         resumed.opt.load_state_dict(checkpoint["opt"])
         resumed.hook_state.iter = checkpoint["iter"]

@@ -25,8 +25,7 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -48,24 +47,10 @@ from dcomm.fsdp import (
     register_comm_hook,
     use_low_precision_reduction,
 )
+from dcomm_testing import cpu_record_stream_is_noop
 
 STEPS = 3
 TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
-
-
-@contextlib.contextmanager
-def _torch_hooks_runnable_on_cpu() -> Iterator[None]:
-    original = torch.Tensor.record_stream
-
-    def record_stream(self: torch.Tensor, stream: torch.Stream) -> None:
-        if self.device.type != "cpu":
-            original(self, stream)
-
-    torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.Tensor.record_stream = original  # type: ignore[method-assign]
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +119,7 @@ def scenario_fsdp_hooks(rank: int, world_size: int) -> None:
         ):
             what = f"{strategy.name}/{dtype}"
             params, grads = _train_fsdp(strategy, LowPrecisionState(group), hook)
-            with _torch_hooks_runnable_on_cpu():
+            with cpu_record_stream_is_noop():
                 ref_params, ref_grads = _train_fsdp(strategy, torch_hooks.LowPrecisionState(group), torch_hook)
             _close(grads, ref_grads, TOL[dtype], f"{what} gradients vs torch's hook")
             _close(params, ref_params, TOL[dtype], f"{what} parameters vs torch's hook")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from harness import load_all
 
-from dcomm.core.testing import run_ranks
+from dcomm_testing import run_ranks
 
 CASES = [
     pytest.param(sc, world, id=f"{sc.name}-w{world}")

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from dcomm.core.testing import run_ranks
+from dcomm_testing import run_ranks
 
 ROUNDS = 4
 

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from dcomm.core.testing import RankFailure, run_ranks
+from dcomm_testing import RankFailure, run_ranks
 from tools.demo_lm.config import CONFIGS
 from tools.demo_lm.corpus import Corpus
 from tools.demo_lm.report import plain_table, verdict, write_report

@@ -15,7 +15,7 @@ from torch.distributed.algorithms.model_averaging import averagers as torch_aver
 from torch.distributed.algorithms.model_averaging import hierarchical_model_averager as torch_hier
 
 from dcomm.averaging import HierarchicalModelAverager, ModelAverager, PeriodicModelAverager
-from dcomm.core.testing import run_ranks
+from dcomm_testing import run_ranks
 
 # step -> period of the group that averages (None: no averaging). Written out by hand from the
 # rule "past warm-up, the largest period dividing the step"; periodic: (step - warmup) % period.
@@ -99,14 +99,25 @@ def _schedules(rank: int, world: int) -> None:
     other = HierarchicalModelAverager(three_level)
     other.load_state_dict(hier.state_dict())
     assert other.step == 7
-    with pytest.warns(UserWarning, match=r"state_dict: saved period=3 differs from this averager's period=5"):
+    differs = r"state_dict: saved period=3 differs from this PeriodicModelAverager's period=5"
+    with pytest.warns(UserWarning, match=differs):
         PeriodicModelAverager(5, warmup_steps=2).load_state_dict(state)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         PeriodicModelAverager(3, warmup_steps=2).load_state_dict({"step": 4})  # torch-style: step only
-    for bad in [{}, {"step": -1}, {"step": "3"}, {"step": True}, [("step", 1)]]:
-        with pytest.raises(ValueError, match=r"state_dict"):
-            PeriodicModelAverager(3).load_state_dict(bad)  # type: ignore[arg-type]
+    for bad, error in [
+        ({}, ValueError),
+        ({"step": -1}, ValueError),
+        ({"step": "3"}, TypeError),
+        ({"step": True}, TypeError),
+        ({"step": torch.tensor(3)}, TypeError),  # the same policy as every other load_state_dict
+        ([("step", 1)], TypeError),
+    ]:
+        for averager in (PeriodicModelAverager(3), HierarchicalModelAverager(three_level)):
+            averager.step = 2
+            with pytest.raises(error, match=r"^state_dict"):
+                averager.load_state_dict(bad)  # type: ignore[arg-type]
+            assert averager.step == 2  # a rejected load changes nothing
 
     # A subclass of the base class works like torch's (abstract average_parameters).
     with pytest.raises(TypeError):
@@ -127,19 +138,21 @@ def warning_texts(build: object) -> list[tuple[type[Warning], str]]:
 
 def _bad_inputs(rank: int, world: int) -> None:
     assert world == 4
-    for bad in [0, -2, 1.5, True, "4", None]:
-        with pytest.raises(ValueError, match=rf"period: expected a positive int, got {bad!r}; pass how many steps"):
+    # A wrong type is a TypeError, a wrong value a ValueError; both name argument, value and fix.
+    for bad, error in [(0, ValueError), (-2, ValueError), (1.5, TypeError), (True, TypeError), ("4", TypeError)]:
+        with pytest.raises(error, match=rf"period: expected a positive int, got {bad!r}; pass how many steps"):
             PeriodicModelAverager(bad)  # type: ignore[arg-type]
-    for bad in [-1, 0.5, None]:
+    for bad, error in [(-1, ValueError), (0.5, TypeError), (None, TypeError)]:
         message = rf"warmup_steps: expected a non-negative int, got {bad!r}; pass 0 for no warm-up"
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(error, match=message):
             PeriodicModelAverager(2, warmup_steps=bad)  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(error, match=message):
             HierarchicalModelAverager({2: 2, 4: 4}, warmup_steps=bad)  # type: ignore[arg-type]
-    for bad in [0, -1, "25"]:
-        with pytest.raises(ValueError, match=r"bucket_cap_mb: expected a positive number of MiB"):
+    for bad, error in [(0, ValueError), (-1, ValueError), ("25", TypeError)]:
+        message = rf"bucket_cap_mb: expected a positive number, got {bad!r}; pass a bound in MiB"
+        with pytest.raises(error, match=message):
             PeriodicModelAverager(2, bucket_cap_mb=bad)  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match=r"bucket_cap_mb: expected a positive number of MiB"):
+        with pytest.raises(error, match=message):
             HierarchicalModelAverager({2: 2, 4: 4}, bucket_cap_mb=bad)  # type: ignore[arg-type]
 
     # Period 1 and a largest period of 1 warn exactly as torch does.

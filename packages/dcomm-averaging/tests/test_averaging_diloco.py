@@ -19,7 +19,7 @@ import torch
 
 from dcomm.averaging import DiLoCoOptimizer
 from dcomm.averaging._diloco.fragments import split_bytes, sync_offsets
-from dcomm.core.testing import run_ranks
+from dcomm_testing import run_ranks
 
 # Relative tolerance on 3 ranks, where gloo may sum the three deltas in another order.
 RTOL = {torch.float64: 1e-12, torch.float32: 1e-5}

@@ -17,7 +17,7 @@ from test_averaging_diloco import STEPS, backward, make_model, make_optimizers
 from dcomm.averaging import DiLoCoOptimizer
 from dcomm.averaging._diloco.exchange import BLOCK_SIZE, PseudoGradientExchange
 from dcomm.core import payload_bytes
-from dcomm.core.testing import run_ranks
+from dcomm_testing import run_ranks
 
 FORMATS = ["bf16", "fp8", "int8", "int4"]
 # Largest error of one sync, relative to the largest |mean|, for vectors of mixed magnitudes.

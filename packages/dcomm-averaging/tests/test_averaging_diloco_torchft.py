@@ -18,7 +18,7 @@ import torch
 from test_averaging_diloco import backward, make_model, make_optimizers
 
 from dcomm.averaging import DiLoCoOptimizer
-from dcomm.core.testing import run_ranks
+from dcomm_testing import run_ranks
 
 pytest.importorskip("torchft")
 

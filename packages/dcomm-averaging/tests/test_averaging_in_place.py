@@ -10,7 +10,6 @@ the same tensors (the parameters' own storage, or one view over parameters that 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -21,37 +20,24 @@ from test_averaging_parameters import MIB, SPECS, AllocationTracker, assert_aver
 
 import dcomm.averaging.parameters as impl
 from dcomm.averaging import average_parameters
-from dcomm.core.testing import run_ranks
+from dcomm.core import reduced_by_nccl
+from dcomm_testing import run_ranks
 
 # More parameters than one launch holds once the limits are lowered, every dtype.
 MANY = [((3, 5), torch.float32, False)] * 9 + [((7,), torch.bfloat16, False)] * 5 + [((4,), torch.float16, False)] * 4
 
 
-@contextmanager
-def patched(**attrs: Any) -> Iterator[None]:
-    """Set attributes of the implementation module for the duration of the block."""
-    saved = {name: getattr(impl, name) for name in attrs}
-    for name, value in attrs.items():
-        setattr(impl, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(impl, name, value)
-
-
-@contextmanager
-def forced_in_place(calls: list[list[torch.Tensor]] | None = None) -> Iterator[None]:
-    """Every device takes the in-place path; ``calls`` gets the tensors of each call."""
-    real = impl._average_in_place
-
-    def in_place(tensors: list[torch.Tensor], group: Any, world: int) -> None:
-        if calls is not None:
-            calls.append(list(tensors))
-        real(tensors, group, world)
-
-    with patched(_averages_in_place=lambda first, group: True, _average_in_place=in_place):
-        yield
+def forced(
+    params: list[torch.nn.Parameter],
+    group: Any = None,
+    *,
+    calls: list[list[torch.Tensor]] | None = None,
+    launch_max_tensors: int = impl._LAUNCH_MAX_TENSORS,
+    bucket_cap_mb: float = impl.DEFAULT_BUCKET_CAP_MB,
+) -> None:
+    """average_parameters with the in-place path forced; ``calls`` gets the tensors of each in-place call."""
+    paths = impl._Paths(True, launch_max_tensors, None if calls is None else calls.append)
+    impl._average_parameters(params, group, bucket_cap_mb, paths)
 
 
 def _pointers(params: list[torch.nn.Parameter]) -> list[tuple[int, torch.dtype, tuple[int, ...]]]:
@@ -63,13 +49,13 @@ def _in_place_checks(rank: int, world: int) -> None:
 
     # Mixed dtypes and a channels-last layout, in place, against the float64 mean: no parameter
     # moved, not one byte allocated (no bucket, no flat copy), whatever the launch sizes.
-    for limits in [{}, {"_LAUNCH_MAX_TENSORS": 3}, {"_LAUNCH_MAX_TENSORS": 1}]:
+    for limit in [impl._LAUNCH_MAX_TENSORS, 3, 1]:
         for specs, seed in [(SPECS, 0), (MANY, 1)]:
             params = make_params(rank, specs, seed)
             before = _pointers(params)
             calls: list[list[torch.Tensor]] = []
-            with patched(**limits), forced_in_place(calls), AllocationTracker() as mem:
-                average_parameters(params, None, bucket_cap_mb=64 / MIB)
+            with AllocationTracker() as mem:
+                forced(params, None, calls=calls, launch_max_tensors=limit, bucket_cap_mb=64 / MIB)
             assert calls, "the in-place path was not taken"
             assert mem.peak == 0, f"the in-place path allocated {mem.peak} bytes"
             assert _pointers(params) == before, "not in place"
@@ -79,8 +65,7 @@ def _in_place_checks(rank: int, world: int) -> None:
     # on gloo, whose coalesced allreduce sums the same concatenation torch builds).
     fp32 = [((5, 3), torch.float32, False), ((17,), torch.float32, False), ((2, 2), torch.float32, False)]
     ours, theirs = make_params(rank, fp32, seed=7), make_params(rank, fp32, seed=7)
-    with forced_in_place():
-        average_parameters(ours, None)
+    forced(ours, None)
     torch_utils.average_parameters(iter(theirs), dist.group.WORLD)
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a, b)
@@ -97,8 +82,7 @@ def _in_place_checks(rank: int, world: int) -> None:
             for s, sh in zip(starts, map(torch.Size, shapes), strict=True)
         ]
         calls = []
-        with forced_in_place(calls):
-            average_parameters(params, None)
+        forced(params, None, calls=calls)
         assert [len(c) for c in calls] == [runs]
         assert all(p.data_ptr() == flat[s:].data_ptr() for p, s in zip(params, starts, strict=True))
         assert_averaged(params, exact_mean(everyone, fp32, seed=8))
@@ -109,7 +93,7 @@ def _in_place_checks(rank: int, world: int) -> None:
     params = make_params(rank, [((6,), torch.float32, False)] * 4, seed=9)
     before = [p.data_ptr() for p in params]
     with torch.no_grad():
-        impl._average_in_place(list(params), dist.group.WORLD, world)
+        impl._average_in_place(list(params), dist.group.WORLD)
     assert [p.data_ptr() for p in params] == before
     assert_averaged(params, exact_mean(everyone, [((6,), torch.float32, False)] * 4, seed=9))
 
@@ -117,8 +101,7 @@ def _in_place_checks(rank: int, world: int) -> None:
     members = [0, 1] if world > 2 else [0]
     group = dist.new_group(members)
     params = make_params(rank, seed=3)
-    with forced_in_place():
-        average_parameters(params, group)
+    forced(params, group)
     if rank in members:
         assert_averaged(params, exact_mean(members, seed=3))
     else:
@@ -130,8 +113,7 @@ def _in_place_checks(rank: int, world: int) -> None:
     storage = base.float()
     params = [torch.nn.Parameter(storage[0:8]), torch.nn.Parameter(storage[4:12])]
     calls = []
-    with forced_in_place(calls):
-        average_parameters(params, None)
+    forced(params, None, calls=calls)
     assert calls == []
     mean = torch.arange(12, dtype=torch.float64) * (world + 1) / 2
     torch.testing.assert_close(storage.double(), mean)
@@ -143,8 +125,7 @@ def _in_place_checks(rank: int, world: int) -> None:
     saved_sync = torch.cuda.synchronize, torch.accelerator.synchronize
     torch.cuda.synchronize = torch.accelerator.synchronize = forbidden  # type: ignore[assignment]
     try:
-        with forced_in_place():
-            average_parameters(make_params(rank), None)
+        forced(make_params(rank), None)
     finally:
         torch.cuda.synchronize, torch.accelerator.synchronize = saved_sync
 
@@ -156,8 +137,8 @@ def test_in_place_path(world: int) -> None:
 
 def _decision_checks(rank: int, world: int) -> None:
     # gloo: never in place (NCCL only), on the CPU or for tensors on another device type.
-    assert not impl._averages_in_place(torch.zeros(1), dist.group.WORLD)
-    assert not impl._averages_in_place(torch.empty(1, device="meta"), dist.group.WORLD)
+    assert not reduced_by_nccl(dist.group.WORLD, torch.zeros(1))
+    assert not reduced_by_nccl(dist.group.WORLD, torch.device("meta"))
 
     # gloo, unpatched: the bucket path, exactly as before (one staging buffer of the bytes).
     params = make_params(rank, [((5, 3), torch.float32, False), ((17,), torch.float32, False)], seed=2)
@@ -198,8 +179,7 @@ def _launches_checks(rank: int, world: int) -> None:
         params = make_params(rank, specs, seed=11)
         type(group).allreduce_coalesced = counting  # type: ignore[method-assign]
         try:
-            with patched(_LAUNCH_MAX_TENSORS=limit), forced_in_place():
-                average_parameters(params, None)
+            forced(params, None, launch_max_tensors=limit)
         finally:
             type(group).allreduce_coalesced = real  # type: ignore[method-assign]
         assert launches == expected

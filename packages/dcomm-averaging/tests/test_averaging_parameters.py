@@ -24,7 +24,7 @@ from dcomm.averaging import (
     average_parameters_or_parameter_groups,
     get_params_to_average,
 )
-from dcomm.core.testing import run_ranks
+from dcomm_testing import run_ranks
 
 TOL = {
     torch.float64: 1e-12,
@@ -208,8 +208,8 @@ def _average_parameters_checks(rank: int, world: int) -> None:
             assert not torch.equal(p, c), "a parameter with a gradient was not averaged"
 
     # Bad input: argument, value and fix in the message.
-    for bad in [0, -1.0, True, "25", None]:
-        with pytest.raises(ValueError, match=r"bucket_cap_mb: expected a positive number of MiB, got"):
+    for bad, error in [(0, ValueError), (-1.0, ValueError), (True, TypeError), ("25", TypeError), (None, TypeError)]:
+        with pytest.raises(error, match=r"bucket_cap_mb: expected a positive number, got"):
             average_parameters(make_params(rank), None, bucket_cap_mb=bad)  # type: ignore[arg-type]
     with pytest.raises(NotImplementedError, match=r"params: an item of type int .*optimizer.param_groups"):
         average_parameters_or_parameter_groups([3], None)  # type: ignore[list-item]

@@ -18,25 +18,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
-from torch.distributed.algorithms.model_averaging import hierarchical_model_averager as torch_hier
 from torch.distributed.optim import PostLocalSGDOptimizer as TorchPostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dcomm.averaging as ours_lib
 from dcomm.core import intra_node_subgroups
-from dcomm.core.testing import run_ranks
+from dcomm_testing import implementation, run_ranks
 
 WARMUP = 3
 STEPS = 10
 RESUME_AT = [1, 3, 4, 7]
-
-
-class TorchLib:
-    """torch's classes under dcomm's names, so one training loop drives both."""
-
-    PeriodicModelAverager = torch_averagers.PeriodicModelAverager
-    HierarchicalModelAverager = torch_hier.HierarchicalModelAverager
-    PostLocalSGDOptimizer = TorchPostLocalSGDOptimizer
 
 
 def variants(world: int) -> list[tuple[str, Callable[[Any], Any], bool]]:
@@ -108,8 +99,8 @@ class Run:
 def _training(rank: int, world: int) -> None:
     subgroup, _ = intra_node_subgroups()
     for name, factory, wrapped in variants(world):
-        theirs = Run(TorchLib, factory, wrapped, subgroup)
-        ours = Run(ours_lib, factory, wrapped, subgroup)
+        theirs = Run(implementation("torch"), factory, wrapped, subgroup)
+        ours = Run(implementation("dcomm"), factory, wrapped, subgroup)
         history: list[list[torch.Tensor]] = []
         checkpoints: dict[int, dict[str, Any]] = {}
         ranks_disagreed = False
@@ -130,7 +121,7 @@ def _training(rank: int, world: int) -> None:
 
         # Resume at several steps into fresh objects built from another seed.
         for k, checkpoint in checkpoints.items():
-            resumed = Run(ours_lib, factory, wrapped, subgroup, seed=99)
+            resumed = Run(implementation("dcomm"), factory, wrapped, subgroup, seed=99)
             resumed.restore(checkpoint)
             assert resumed.averager.step == k
             for step in range(k, STEPS):
@@ -203,8 +194,15 @@ def _optimizer_api(rank: int, world: int) -> None:
 
     assert caught(back)
     assert caught(back) == caught(twin)
-    with pytest.raises(ValueError, match=r"state_dict\['step'\]: expected the averager's non-negative int step"):
-        back.load_state_dict({**state, "step": -1})
+    # A bad "step" is refused before anything is loaded: optimizer state and averager unchanged.
+    back.averager.step = 5
+    before = back.optim.state_dict()
+    for bad, error in [(-3, ValueError), ("3", TypeError), (torch.tensor(3), TypeError)]:
+        changed = {**state, "param_groups": [{**g, "lr": 9.0} for g in state["param_groups"]], "step": bad}
+        with pytest.raises(error, match=r"state_dict\['step'\]: expected a non-negative int"):
+            back.load_state_dict(changed)
+        assert back.averager.step == 5
+        assert back.optim.state_dict()["param_groups"] == before["param_groups"]
 
 
 def test_post_local_sgd_optimizer_api() -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+import socket
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,10 +16,11 @@ from dcomm.core import (
     LowPrecisionState,
     allreduce_future,
     divide_factors,
+    host_identity,
     intra_node_subgroups,
     reduce_scatter_future,
 )
-from dcomm.core.testing import RankFailure, run_ranks
+from dcomm_testing import RankFailure, run_ranks
 
 
 def rank_grad(rank: int, numel: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -101,10 +106,67 @@ def test_intra_node_subgroups_follow_local_world_size(world: int, local: str, ex
 
 
 def test_intra_node_subgroups_reject_non_dividing_node_size() -> None:
-    with pytest.raises(
-        RankFailure, match=r"LOCAL_WORLD_SIZE: 3 does not divide the group size 4; use one of \[1, 2, 4\]"
-    ):
+    with pytest.raises(RankFailure, match=r"LOCAL_WORLD_SIZE: 3 does not divide the 4 ranks \[0, 1, 2, 3\]"):
         run_ranks(_intra_node, 4, env={"LOCAL_WORLD_SIZE": "3"})
+
+
+def _layout_on_simulated_hosts(rank: int, world: int, hosts: list[str], sizes: list[str | None]) -> object:
+    """``node_layout`` with this rank's host given as a parameter and its own LOCAL_WORLD_SIZE."""
+    if sizes[rank] is None:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+    else:
+        os.environ["LOCAL_WORLD_SIZE"] = sizes[rank]
+    try:
+        mine, _ = intra_node_subgroups(host_id=hosts[rank])
+    except ValueError as error:
+        return str(error)  # every rank must raise, with the same message
+    ones = torch.ones(1)
+    dist.all_reduce(ones, group=mine)  # the groups really work
+    assert ones.item() == dist.get_world_size(mine)
+    return dist.get_process_group_ranks(mine)
+
+
+@pytest.mark.parametrize(
+    ("hosts", "sizes", "expected"),
+    [
+        # LOCAL_WORLD_SIZE unset: the hosts decide (never the GPU count).
+        (["a", "a", "b", "b"], [None] * 4, [[0, 1], [0, 1], [2, 3], [2, 3]]),
+        (["a", "b", "a", "b"], [None] * 4, [[0, 2], [1, 3], [0, 2], [1, 3]]),
+        (["a"] * 4, [None] * 4, [[0, 1, 2, 3]] * 4),
+        # Set and equal everywhere: hosts cut into nodes of that size (two launcher nodes per host).
+        (["a"] * 4, ["2"] * 4, [[0, 1], [0, 1], [2, 3], [2, 3]]),
+        (["a", "a", "b", "b"], ["2"] * 4, [[0, 1], [0, 1], [2, 3], [2, 3]]),
+    ],
+)
+@pytest.mark.timeout(300)
+def test_node_layout_agreed_from_hosts(hosts: list[str], sizes: list[str | None], expected: object) -> None:
+    assert run_ranks(_layout_on_simulated_hosts, 4, hosts, sizes) == expected
+
+
+@pytest.mark.parametrize(
+    ("hosts", "sizes", "message"),
+    [
+        # The reported defect: node sizes 2 and 4 in one job built groups that paired wrongly.
+        (["a"] * 4, ["2", "2", "4", "4"], r"LOCAL_WORLD_SIZE: the ranks disagree \(2 on ranks \[0, 1\], 4 on"),
+        (["a"] * 4, ["2", "2", None, None], r"LOCAL_WORLD_SIZE: the ranks disagree \(2 on ranks \[0, 1\], unset"),
+        (["a", "a", "a", "b"], ["2"] * 4, r"LOCAL_WORLD_SIZE: 2 does not divide the 3 ranks \[0, 1, 2\] .* host 'a'"),
+        (["a"] * 4, ["two"] * 4, r"LOCAL_WORLD_SIZE: expected a positive integer, got 'two'"),
+    ],
+)
+@pytest.mark.timeout(300)
+def test_node_layout_disagreement_raises_on_every_rank(hosts: list[str], sizes: list[str | None], message: str) -> None:
+    errors = run_ranks(_layout_on_simulated_hosts, 4, hosts, sizes)
+    assert all(isinstance(e, str) for e in errors), errors
+    assert len(set(errors)) == 1, errors
+    assert re.search(message, errors[0]), errors[0]
+    assert "GPU" not in errors[0]
+
+
+def test_host_identity_names_this_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DCOMM_HOST_ID", raising=False)
+    assert host_identity().startswith(socket.gethostname() + "/")
+    monkeypatch.setenv("DCOMM_HOST_ID", "rack3-node7")
+    assert host_identity() == "rack3-node7"
 
 
 def test_local_world_size_rejects_garbage(monkeypatch: pytest.MonkeyPatch) -> None:

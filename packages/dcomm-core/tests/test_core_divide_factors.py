@@ -26,9 +26,12 @@ def test_known_values(world: int, expected: tuple[float, float]) -> None:
     assert divide_factors(world) == expected
 
 
-@pytest.mark.parametrize("bad", [0, -2, 2.0, "4", True, None])
-def test_rejects_non_positive_int(bad: object) -> None:
-    with pytest.raises(ValueError, match="world_size"):
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [(0, ValueError), (-2, ValueError), (2.0, TypeError), ("4", TypeError), (True, TypeError), (None, TypeError)],
+)
+def test_rejects_non_positive_int(bad: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match=r"world_size: expected a positive int, got .*; pass dist.get_world_size"):
         divide_factors(bad)  # type: ignore[arg-type]
 
 

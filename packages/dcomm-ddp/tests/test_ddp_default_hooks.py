@@ -7,8 +7,6 @@ FP16_RTOL).
 """
 
 import inspect
-import multiprocessing.forkserver
-import sys
 from collections.abc import Callable
 
 import pytest
@@ -19,18 +17,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_h
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dcomm.ddp
-from dcomm.core.testing import run_ranks
 from dcomm.ddp import PostLocalSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _preload_ddp_in_forkserver() -> None:
-    # DDP's constructor imports torch._dynamo: seconds per rank process. Importing it once in
-    # the fork server that run_ranks starts ranks from (if not yet running) saves that per rank.
-    if sys.platform.startswith("linux"):
-        multiprocessing.forkserver.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
-        multiprocessing.forkserver.ensure_running()
-
+from dcomm_testing import run_ranks
 
 STEPS = 4
 # Relative error allowed in the parameter changes: the casts, divisions and world - 1 additions of
@@ -275,3 +263,18 @@ def test_public_names() -> None:
         "post_localSGD_hook",
     }
     assert dcomm.ddp.__version__.count(".") == 2
+
+
+def _sparse_gradients(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    for hook in (fp16_compress_hook, bf16_compress_hook):
+        model = DDP(nn.Embedding(10, 3, sparse=True))
+        model.register_comm_hook(None, hook)
+        loss = model(torch.tensor([rank, rank + 1])).sum()
+        with pytest.raises(Exception, match=r"bucket: \w+ compresses dense gradients, but this bucket holds a sparse"):
+            loss.backward()
+
+
+@pytest.mark.timeout(300)
+def test_sparse_gradients_named_in_compress_hooks() -> None:
+    run_ranks(_sparse_gradients, 2)

@@ -6,8 +6,8 @@ all different without it. dcomm's run must equal torch's bit for bit (the same f
 """
 
 import copy
-import multiprocessing.forkserver
-import sys
+import os
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -18,21 +18,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as to
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dcomm.core.testing import run_ranks
 from dcomm.ddp import PostLocalSGDState, post_localSGD_hook
+from dcomm_testing import run_ranks
 
 STEPS = 6
 START = 3
 BUCKET_CAPS = [0.0003] * 8  # several buckets per step: the counter must advance once per step
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _preload_ddp_in_forkserver() -> None:
-    # DDP's constructor imports torch._dynamo: seconds per rank process. Importing it once in
-    # the fork server that run_ranks starts ranks from (if not yet running) saves that per rank.
-    if sys.platform.startswith("linux"):
-        multiprocessing.forkserver.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
-        multiprocessing.forkserver.ensure_running()
 
 
 def make_model() -> nn.Module:
@@ -216,7 +207,7 @@ def test_resume_at_any_step_is_bit_identical(world: int) -> None:
 
 
 def _node_size_does_not_divide(rank: int, world: int) -> None:
-    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE: 3 does not divide the group size 4; use one of"):
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE: 3 does not divide the 4 ranks \[0, 1, 2, 3\]"):
         PostLocalSGDState(None, None, 2)
     # No subgroup needed, none built: constructing is fine.
     assert PostLocalSGDState(None, None, 2, post_local_gradient_allreduce=False).subgroup is None
@@ -225,27 +216,40 @@ def _node_size_does_not_divide(rank: int, world: int) -> None:
     if rank >= 2:
         with pytest.raises(ValueError, match="subgroup: this rank is not a member"):
             PostLocalSGDState(None, outside, 2)
+    dist.barrier()  # no rank tears down while the others still connect the new group
 
 
 def test_node_size_must_divide_world() -> None:
     run_ranks(_node_size_does_not_divide, 4, env={"LOCAL_WORLD_SIZE": "3"})
 
 
+def _node_sizes_disagree(rank: int, world: int) -> None:
+    os.environ["LOCAL_WORLD_SIZE"] = "2" if rank < 2 else "4"
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE: the ranks disagree \(2 on ranks \[0, 1\], 4 on"):
+        PostLocalSGDState(None, None, 2)
+
+
+@pytest.mark.timeout(300)
+def test_node_sizes_that_disagree_raise_on_every_rank() -> None:
+    """Once silently corrupting: ranks 0-1 built pairs, ranks 2-3 one group of 4."""
+    run_ranks(_node_sizes_disagree, 4)
+
+
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        ({"start_localSGD_iter": -1}, r"start_localSGD_iter: expected a non-negative int, got -1; pass"),
-        ({"start_localSGD_iter": 2.5}, r"start_localSGD_iter: expected a non-negative int, got 2\.5"),
-        ({"start_localSGD_iter": True}, r"start_localSGD_iter: expected a non-negative int, got True"),
-        ({"start_localSGD_iter": "10"}, r"start_localSGD_iter: expected a non-negative int, got '10'"),
-        ({"post_local_gradient_allreduce": "yes"}, r"post_local_gradient_allreduce: expected True or False"),
-        ({"process_group": 3}, r"process_group: expected a ProcessGroup or None, got int; pass"),
-        ({"subgroup": "node"}, r"subgroup: expected a ProcessGroup or None, got str; pass"),
+        ({"start_localSGD_iter": -1}, ValueError, r"start_localSGD_iter: expected a non-negative int, got -1; pass"),
+        ({"start_localSGD_iter": 2.5}, TypeError, r"start_localSGD_iter: expected a non-negative int, got 2\.5"),
+        ({"start_localSGD_iter": True}, TypeError, r"start_localSGD_iter: expected a non-negative int, got True"),
+        ({"start_localSGD_iter": "10"}, TypeError, r"start_localSGD_iter: expected a non-negative int, got '10'"),
+        ({"post_local_gradient_allreduce": "yes"}, TypeError, r"post_local_gradient_allreduce: expected True or False"),
+        ({"process_group": 3}, TypeError, r"process_group: expected a ProcessGroup or None, got int; pass"),
+        ({"subgroup": "node"}, TypeError, r"subgroup: expected a ProcessGroup or None, got str; pass"),
     ],
 )
-def test_bad_arguments(kwargs: dict, match: str) -> None:
+def test_bad_arguments(kwargs: dict, error: type[Exception], match: str) -> None:
     args = {"process_group": None, "subgroup": None, "start_localSGD_iter": 3} | kwargs
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         PostLocalSGDState(**args)
 
 
@@ -254,22 +258,32 @@ def test_state_dict_round_trip_and_bad_state_dicts() -> None:
     state.iter = 7
     saved = state.state_dict()
     assert saved == {"iter": 7, "start_localSGD_iter": 5, "post_local_gradient_allreduce": False}
-    fresh = PostLocalSGDState(None, None, 0)
-    fresh.load_state_dict(saved)
+    fresh = PostLocalSGDState(None, None, 5, post_local_gradient_allreduce=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh.load_state_dict(saved)
     assert (fresh.iter, fresh.start_localSGD_iter, fresh.post_local_gradient_allreduce) == (7, 5, False)
     assert "iter=7" in repr(fresh)
     with pytest.raises(AttributeError):
         fresh.unknown = 1  # __slots__
 
-    with pytest.raises(ValueError, match="state_dict: expected a mapping"):
-        fresh.load_state_dict([7, 5, False])
-    with pytest.raises(ValueError, match=r"state_dict: missing keys \['start_localSGD_iter'"):
-        fresh.load_state_dict({"iter": 1})
-    with pytest.raises(ValueError, match=r"state_dict\['iter'\]: expected a non-negative int, got -2"):
-        fresh.load_state_dict(saved | {"iter": -2})
-    with pytest.raises(ValueError, match=r"state_dict\['post_local_gradient_allreduce'\]: expected True or False"):
-        fresh.load_state_dict(saved | {"post_local_gradient_allreduce": 1})
-    assert fresh.state_dict() == saved  # a rejected load changes nothing
+    # A differing schedule is the averagers' policy: the constructed one stays, and a warning says so.
+    other = PostLocalSGDState(None, None, 3, post_local_gradient_allreduce=False)
+    with pytest.warns(UserWarning, match=r"saved start_localSGD_iter=5 differs from this PostLocalSGDState's .*=3"):
+        other.load_state_dict(saved)
+    assert (other.iter, other.start_localSGD_iter) == (7, 3)
+
+    fresh.iter = 4
+    for bad, error, match in [
+        ([7, 5, False], TypeError, "state_dict: expected the mapping PostLocalSGDState.state_dict"),
+        ({"start_localSGD_iter": 5}, ValueError, r"state_dict: missing keys \['iter'\]"),
+        (saved | {"iter": -2}, ValueError, r"state_dict\['iter'\]: expected a non-negative int, got -2"),
+        (saved | {"iter": torch.tensor(3)}, TypeError, r"state_dict\['iter'\]: expected a non-negative int"),
+        (saved | {"iter": "3"}, TypeError, r"state_dict\['iter'\]: expected a non-negative int, got '3'"),
+    ]:
+        with pytest.raises(error, match=match):
+            fresh.load_state_dict(bad)
+        assert fresh.iter == 4  # a rejected load changes nothing
 
 
 def test_hook_rejects_other_states() -> None:

@@ -16,7 +16,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dcomm.ddp._torch_private as private
-from dcomm.core.testing import run_ranks
+from dcomm_testing import run_ranks
 
 DDP_SRC = pathlib.Path(private.__file__).parent
 

@@ -23,7 +23,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_h
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dcomm.core.testing import run_ranks
 from dcomm.ddp import (
     PostLocalSGDState,
     allreduce_hook,
@@ -33,6 +32,7 @@ from dcomm.ddp import (
     hook_with_zero_step_interleaved,
     post_localSGD_hook,
 )
+from dcomm_testing import run_ranks
 
 BUILDERS = {"step": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
 OPTIMS = {

@@ -27,8 +27,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import dcomm.fsdp.fully_shard as fully_shard_module
 from dcomm.core import divide_factors
-from dcomm.core.testing import run_ranks
 from dcomm.fsdp import LowPrecisionReduceScatter, low_precision_mp_policy, use_low_precision_reduction
+from dcomm_testing import run_ranks
 
 STEPS = 3
 TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}

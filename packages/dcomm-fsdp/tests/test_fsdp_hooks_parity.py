@@ -28,21 +28,11 @@ from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 
 import dcomm.fsdp
 from dcomm.core import DefaultState, LowPrecisionState
-from dcomm.core.testing import run_ranks
+from dcomm_testing import cpu_record_stream_is_noop, run_ranks
 
 STEPS = 3
 STRATEGIES = (ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD)
 TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
-
-
-def _cpu_record_stream_is_noop() -> None:
-    original = torch.Tensor.record_stream
-
-    def record_stream(self: torch.Tensor, stream: torch.Stream) -> None:
-        if self.device.type != "cpu":
-            original(self, stream)
-
-    torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
 
 
 def make_model(strategy: ShardingStrategy, mixed_precision: MixedPrecision | None = None) -> FSDP:
@@ -89,7 +79,7 @@ def assert_all_close(ours: list[torch.Tensor], theirs: list[torch.Tensor], rtol:
 
 
 def _parity(rank: int, world: int) -> None:
-    _cpu_record_stream_is_noop()
+    cpu_record_stream_is_noop()
     group = dist.group.WORLD
     for strategy in STRATEGIES:
         sharded = strategy is not ShardingStrategy.NO_SHARD
@@ -133,7 +123,7 @@ def test_hooks_match_torch_in_every_strategy(world: int) -> None:
 
 def _mixed_precision(rank: int, world: int) -> None:
     """Where FSDP treats torch's hooks specially (by identity), dcomm's must still be right."""
-    _cpu_record_stream_is_noop()
+    cpu_record_stream_is_noop()
     group = dist.group.WORLD
     mp = MixedPrecision(param_dtype=torch.bfloat16)  # compute, and FSDP's reduce dtype, in bf16
     for strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.FULL_SHARD):

@@ -21,7 +21,6 @@ from torch.distributed.fsdp import ShardingStrategy
 import dcomm.fsdp
 import dcomm.fsdp.hooks
 from dcomm.core import DefaultState, LowPrecisionState, divide_factors
-from dcomm.core.testing import run_ranks
 from dcomm.fsdp import (
     allreduce_hook,
     bf16_compress_hook,
@@ -29,6 +28,7 @@ from dcomm.fsdp import (
     reduce_scatter_hook,
     register_comm_hook,
 )
+from dcomm_testing import run_ranks
 
 EXPECTED_FACTORS = {2: (2.0, 1.0), 3: (2.0, 1.5), 4: (2.0, 2.0), 8: (4.0, 2.0)}
 

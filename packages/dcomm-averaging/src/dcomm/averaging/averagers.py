@@ -17,7 +17,6 @@ Example::
 
 from __future__ import annotations
 
-import operator
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -32,6 +31,7 @@ from dcomm.averaging.parameters import (
     average_parameters_or_parameter_groups,
 )
 from dcomm.core import resolve_group
+from dcomm.core.validation import check_state_dict, non_negative_int, positive_int
 
 __all__ = ["ModelAverager", "PeriodicModelAverager"]
 
@@ -44,25 +44,14 @@ PERIOD_ONE_WARNING = (
 )
 
 
-def _as_int(name: str, value: Any, minimum: int, fix: str) -> int:
-    """``value`` as an int >= ``minimum``, else a ValueError naming ``name``, the value and ``fix``."""
-    try:
-        number = operator.index(value)
-    except TypeError:
-        number = None
-    if isinstance(value, bool) or number is None or number < minimum:
-        bound = "a non-negative" if minimum == 0 else "a positive"
-        raise ValueError(f"{name}: expected {bound} int, got {value!r}; {fix}")
-    return number
-
-
 def check_warmup_steps(warmup_steps: Any) -> int:
-    return _as_int(
-        "warmup_steps",
-        warmup_steps,
-        0,
-        "pass 0 for no warm-up, or the start_localSGD_iter of the post-local SGD hook",
+    return non_negative_int(
+        "warmup_steps", warmup_steps, "pass 0 for no warm-up, or the start_localSGD_iter of the post-local SGD hook"
     )
+
+
+def _check_step(name: str, value: Any) -> int:
+    return non_negative_int(name, value, "pass what averager.state_dict() returned")
 
 
 class ModelAverager(ABC):
@@ -105,25 +94,15 @@ class ModelAverager(ABC):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore ``step`` from :meth:`state_dict`; warn when the saved settings differ.
 
+        Everything is checked before ``step`` changes. The settings stay this averager's own (see
+        :func:`dcomm.core.validation.check_state_dict`).
+
         Example::
 
             >>> averager.load_state_dict(torch.load(path)["averager"])  # doctest: +SKIP
         """
-        if not isinstance(state_dict, Mapping) or "step" not in state_dict:
-            raise ValueError(
-                f"state_dict: expected a mapping with a 'step' entry, got {state_dict!r}; "
-                "pass what averager.state_dict() returned"
-            )
-        step = _as_int("state_dict['step']", state_dict["step"], 0, "pass what averager.state_dict() returned")
-        for key, value in self._settings().items():
-            if key in state_dict and state_dict[key] != value:
-                warnings.warn(
-                    f"state_dict: saved {key}={state_dict[key]!r} differs from this averager's "
-                    f"{key}={value!r}; the averaging schedule after the restore differs from the "
-                    "saved run's (build the averager with the saved settings to continue it exactly)",
-                    stacklevel=2,
-                )
-        self.step = step
+        checked = check_state_dict(type(self).__name__, state_dict, {"step": _check_step}, self._settings())
+        self.step = checked["step"]
 
 
 class PeriodicModelAverager(ModelAverager):
@@ -150,7 +129,7 @@ class PeriodicModelAverager(ModelAverager):
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     ) -> None:
         self.warmup_steps: int = check_warmup_steps(warmup_steps)
-        self.period: int = _as_int("period", period, 1, "pass how many steps apart to average, usually more than 1")
+        self.period: int = positive_int("period", period, "pass how many steps apart to average, usually more than 1")
         self.bucket_cap_mb = _check_bucket_cap_mb(bucket_cap_mb)
         super().__init__(process_group)
         if self.period == 1:

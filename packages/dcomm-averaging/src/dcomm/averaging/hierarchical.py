@@ -33,7 +33,7 @@ from dcomm.averaging.parameters import (
     _check_bucket_cap_mb,
     average_parameters_or_parameter_groups,
 )
-from dcomm.core import subgroups_of_size
+from dcomm.core import member_size, subgroups_of_size
 
 __all__ = ["HierarchicalModelAverager"]
 
@@ -53,19 +53,33 @@ def _is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def _example_periods(items: list[tuple[Any, Any]]) -> list[int]:
+    """The user's periods when they are valid (at least two, increasing positive ints), else 2, 4, 8, ..."""
+    periods = [p for p, _ in items]
+    if len(periods) >= 2 and all(_is_positive_int(p) for p in periods) and periods == sorted(set(periods)):
+        return periods
+    return [2 * 2**i for i in range(max(2, len(items)))]
+
+
+def _example_sizes(sizes: list[Any], count: int, world: int) -> list[int]:
+    """``count`` sizes dividing ``world``: each the largest divisor up to the user's; the last ``world``."""
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    fallback = divisors[1] if len(divisors) > 1 else 1
+    padded = (sizes + [None] * count)[:count]
+    fixed = [
+        max((d for d in divisors if d <= size), default=fallback) if _is_positive_int(size) else fallback
+        for size in padded
+    ]
+    fixed[-1] = world
+    return fixed
+
+
 def _example(period_group_size_dict: Any, world: int) -> dict[int, int]:
     """A valid map as close to the user's as possible, for error messages."""
     items = list(period_group_size_dict.items()) if isinstance(period_group_size_dict, Mapping) else []
-    periods = [p for p, _ in items]
-    if len(periods) < 2 or not all(_is_positive_int(p) for p in periods) or periods != sorted(set(periods)):
-        periods = [2 * 2**i for i in range(max(2, len(items)))]
-    sizes = [s for _, s in items][: len(periods)]
-    sizes += [None] * (len(periods) - len(sizes))
-    divisors = [d for d in range(1, world + 1) if world % d == 0]
-    fallback = divisors[1] if len(divisors) > 1 else 1
-    fixed = [max((d for d in divisors if d <= s), default=fallback) if _is_positive_int(s) else fallback for s in sizes]
-    fixed[-1] = world
-    return dict(zip(periods, fixed, strict=True))
+    periods = _example_periods(items)
+    sizes = _example_sizes([s for _, s in items], len(periods), world)
+    return dict(zip(periods, sizes, strict=True))
 
 
 def _validate(period_group_size_dict: Any, world: int) -> OrderedDict[int, int]:
@@ -133,7 +147,11 @@ class HierarchicalModelAverager(ModelAverager):
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     ) -> None:
         super().__init__(process_group)
-        world = dist.get_world_size(self.process_group)
+        world = member_size(
+            self.process_group,
+            "process_group",
+            "build the HierarchicalModelAverager only on the ranks of process_group, or pass a group holding this rank",
+        )
         self.warmup_steps: int = check_warmup_steps(warmup_steps)
         self.bucket_cap_mb = _check_bucket_cap_mb(bucket_cap_mb)
         checked = _validate(period_group_size_dict, world)

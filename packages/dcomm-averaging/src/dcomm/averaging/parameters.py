@@ -18,8 +18,7 @@ takes one of two paths:
 
 Either way parameters keep their storage (optimizers and views that hold them stay valid) and
 their dtype (a bf16 parameter is averaged in bf16, never promoted), and the arithmetic is the
-same up to the last bit: fp32/fp64 divided by the group size before the sum (or NCCL's ``AVG``),
-fp16/bf16 divided partly before and partly after it (or, bf16 on NCCL, ``AVG``).
+same up to the last bit: :func:`dcomm.core.plan_average` decides it for both paths.
 
 Example::
 
@@ -30,13 +29,15 @@ Example::
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from dcomm.core import divide_factors, reduced_by_nccl, resolve_group
+from dcomm.averaging._torch_private import foreach_copy_, foreach_div_
+from dcomm.core import plan_average, reduced_by_nccl, resolve_group
+from dcomm.core.validation import positive_number
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -47,8 +48,6 @@ __all__ = [
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 """Default bound, in MiB, on the extra memory one :func:`average_parameters` call allocates."""
-
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 _LAUNCH_MAX_TENSORS = 1024
 """At most this many tensors per grouped NCCL launch of the in-place path (one launch is fastest).
@@ -90,12 +89,7 @@ def _flat_view(param: torch.Tensor) -> torch.Tensor:
 
 
 def _check_bucket_cap_mb(bucket_cap_mb: object) -> float:
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
-        raise ValueError(
-            f"bucket_cap_mb: expected a positive number of MiB, got {bucket_cap_mb!r}; "
-            f"pass e.g. {DEFAULT_BUCKET_CAP_MB:g}"
-        )
-    return float(bucket_cap_mb)
+    return positive_number("bucket_cap_mb", bucket_cap_mb, f"pass a bound in MiB, e.g. {DEFAULT_BUCKET_CAP_MB:g}")
 
 
 def _check_device(device: torch.device, group: dist.ProcessGroup) -> None:
@@ -152,34 +146,6 @@ class _Staging:
         return [b.narrow(0, 0, capacity * itemsize).view(dtype) for b in self.buffers], capacity
 
 
-def _divisors(dtype: torch.dtype, world: int) -> tuple[float, float]:
-    """``(pre, post)``: divide by ``pre`` before the ``SUM`` and by ``post`` after it."""
-    if dtype in _LOW_PRECISION:
-        # Split the division around the sum so fp16/bf16 neither overflow nor underflow.
-        return divide_factors(world)
-    # One division before the sum: exact for power-of-two groups, torch's own arithmetic.
-    return float(world), 1.0
-
-
-def _averages_in_place(first: torch.Tensor, group: dist.ProcessGroup) -> bool:
-    """Whether tensors like ``first`` take the in-place path: GPU tensors reduced by NCCL.
-
-    NCCL's coalesced allreduce reduces each tensor in its own storage (one grouped launch); gloo's
-    flattens into a copy, and its CPU tensors are better served by the buckets.
-    """
-    return reduced_by_nccl(group, first)
-
-
-def _nccl_average(group: dist.ProcessGroup, flat: torch.Tensor, world: int) -> bool:
-    """Whether ``ReduceOp.AVG`` averages ``flat``: NCCL on a GPU, more than one rank, fp32/fp64/bf16.
-
-    bf16 has float32's exponent range, so NCCL's averaging cannot overflow it (torch's FSDP2
-    averages bf16 gradients the same way). Never on gloo (no AVG there), never for fp16, whose
-    narrow range keeps its pre/post division.
-    """
-    return world > 1 and flat.dtype in (torch.float32, torch.float64, torch.bfloat16) and reduced_by_nccl(group, flat)
-
-
 def _overlap(spans: list[tuple[int, int]]) -> bool:
     """Whether two of the ``(address, bytes)`` spans of dense parameters share bytes (aliasing).
 
@@ -230,7 +196,9 @@ def _span(run: list[torch.Tensor]) -> torch.Tensor:
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,))
 
 
-def _average_in_place(tensors: list[torch.Tensor], group: dist.ProcessGroup, world: int) -> None:
+def _average_in_place(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup, launch_max_tensors: int = _LAUNCH_MAX_TENSORS
+) -> None:
     """Average same-device, same-dtype dense tensors over ``group`` in their own storage.
 
     Divide in place, then one coalesced allreduce of all of them (NCCL: one grouped launch of
@@ -239,31 +207,30 @@ def _average_in_place(tensors: list[torch.Tensor], group: dist.ProcessGroup, wor
     channels and reaches the bandwidth of one flat message. Then the current stream (never the
     host) waits for each launch, and fp16 gets its post-division. Nothing is allocated.
     """
-    pre, post = _divisors(tensors[0].dtype, world)
+    # NCCL averages fp32/fp64/bf16 inside the collective (AVG: no division pass); fp16 keeps its
+    # pre/post division (no pre-multiplied sums in a coalesced allreduce).
+    op, pre, post = plan_average(group, tensors[0].dtype, tensors[0].device, nccl_premul=False)
     options = dist.AllreduceCoalescedOptions()
-    options.reduceOp = dist.ReduceOp.SUM
-    if _nccl_average(group, tensors[0], world):
-        # NCCL averages inside the collective: no separate division pass over the data.
-        options.reduceOp, pre, post = dist.ReduceOp.AVG, 1.0, 1.0
+    options.reduceOp = op
     if hasattr(options, "asyncOp"):
         options.asyncOp = True
     launched: list[tuple[dist.Work, list[torch.Tensor]]] = []
-    for start in range(0, len(tensors), _LAUNCH_MAX_TENSORS):
-        chunk = tensors[start : start + _LAUNCH_MAX_TENSORS]
+    for start in range(0, len(tensors), launch_max_tensors):
+        chunk = tensors[start : start + launch_max_tensors]
         if pre != 1.0:
-            torch._foreach_div_(chunk, pre)
+            foreach_div_(chunk, pre)
         launched.append((group.allreduce_coalesced(chunk, options), chunk))
     for work, chunk in launched:
         work.wait()  # on CUDA: the current stream waits for the collective, the host does not
         if post != 1.0:
-            torch._foreach_div_(chunk, post)
+            foreach_div_(chunk, post)
 
 
-def _average_group(flats: list[torch.Tensor], group: dist.ProcessGroup, world: int, staging: _Staging) -> None:
+def _average_group(flats: list[torch.Tensor], group: dist.ProcessGroup, staging: _Staging) -> None:
     """Average same-device, same-dtype flat views over ``group`` through ``staging``."""
     dtype = flats[0].dtype
     buffers, capacity = staging.typed(dtype, flats[0].element_size())
-    pre, post = _divisors(dtype, world)
+    op, pre, post = plan_average(group, dtype, flats[0].device, nccl_premul=False)
 
     in_flight: list[tuple[dist.Work, torch.Tensor, list[_Segment]]] = []
 
@@ -273,7 +240,7 @@ def _average_group(flats: list[torch.Tensor], group: dist.ProcessGroup, world: i
             staged.div_(post)
         targets = [s.view() for s in segments]
         sources = list(staged.split([s.length for s in segments]))
-        torch._foreach_copy_(targets, sources)
+        foreach_copy_(targets, sources)
 
     for index, segments in enumerate(_buckets(flats, capacity)):
         if len(in_flight) == len(buffers):
@@ -285,11 +252,144 @@ def _average_group(flats: list[torch.Tensor], group: dist.ProcessGroup, world: i
             torch.cat([s.view() for s in segments], out=staged)
         if pre != 1.0:
             staged.div_(pre)
-        work = dist.all_reduce(staged, group=group, async_op=True)
+        work = dist.all_reduce(staged, op=op, group=group, async_op=True)
         assert work is not None
         in_flight.append((work, staged, segments))
     while in_flight:
         finish(*in_flight.pop(0))
+
+
+class _Paths(NamedTuple):
+    """How :func:`average_parameters` picks and sizes its paths (tests pass other values).
+
+    ``in_place``: None takes the in-place path exactly where NCCL reduces (NCCL's coalesced
+    allreduce reduces each tensor in its own storage; gloo's flattens into a copy, and CPU tensors
+    are better served by the buckets); True or False forces it. ``on_in_place`` sees the tensors
+    of every in-place call.
+    """
+
+    in_place: bool | None = None
+    launch_max_tensors: int = _LAUNCH_MAX_TENSORS
+    on_in_place: Callable[[list[torch.Tensor]], None] | None = None
+
+
+def _average_integers(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Average integer and bool tensors as torch does (the mean, truncated toward zero), but exactly.
+
+    torch averages them in floating point and casts back; here their int64 sum is exact and the
+    division truncates (a bool becomes True where any rank holds True, as in torch). One ``SUM``
+    allreduce per device.
+    """
+    world = dist.get_world_size(group)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_device.setdefault(tensor.device, []).append(tensor)
+    for members in by_device.values():
+        total = torch.cat([t.reshape(-1).to(torch.int64) for t in members])
+        dist.all_reduce(total, group=group)
+        for tensor, summed in zip(members, total.split([t.numel() for t in members]), strict=True):
+            mean = summed if tensor.dtype == torch.bool else torch.div(summed, world, rounding_mode="trunc")
+            tensor.copy_(mean.view_as(tensor))
+
+
+def _checked(param: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Refuse, before any collective, a parameter that cannot be averaged."""
+    if param.layout != torch.strided:
+        raise ValueError(
+            f"params: a parameter of shape {tuple(param.shape)} has the {param.layout} layout; "
+            "average_parameters averages dense tensors: convert it with param.data = param.data.to_dense()"
+        )
+    if param.device.type == "meta":
+        raise ValueError(
+            f"params: a parameter of shape {tuple(param.shape)} is on the meta device and holds no data; "
+            "materialize the model first (model.to_empty(device=...) and load its weights)"
+        )
+    if param.is_complex():
+        raise ValueError(
+            f"params: a parameter has the complex dtype {param.dtype}; average its real view instead "
+            "(torch.view_as_real(param))"
+        )
+    _check_device(param.device, group)
+
+
+def _by_device(
+    params: Iterable[torch.Tensor], group: dist.ProcessGroup
+) -> tuple[dict[torch.device, list[list[torch.Tensor]]], list[torch.Tensor]]:
+    """The floating-point parameters grouped by device, then dtype, each checked; the integer ones.
+
+    Raises ``ValueError`` on this rank, before any collective, for an empty ``params`` (torch
+    raises there too) or a parameter that cannot be averaged (sparse, meta, complex, CPU on NCCL).
+    Integer and bool tensors (BatchNorm's ``num_batches_tracked``) go to :func:`_average_integers`.
+    """
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    integers: list[torch.Tensor] = []
+    seen: set[int] = set()
+    count = 0
+    for param in params:
+        count += 1
+        _checked(param, group)
+        if id(param) in seen or param.numel() == 0:
+            continue
+        seen.add(id(param))
+        if not param.is_floating_point():
+            integers.append(param.detach())
+            continue
+        by_kind.setdefault((param.device, param.dtype), []).append(param)
+    if count == 0:
+        raise ValueError(
+            "params: got no parameters on this rank, so its peers would wait for it in the allreduce; "
+            "pass the same non-empty parameters on every rank of the group (for param groups, only "
+            "parameters with a gradient are averaged: call it after backward)"
+        )
+    by_device: dict[torch.device, list[list[torch.Tensor]]] = {}
+    for (device, _), tensors in by_kind.items():
+        by_device.setdefault(device, []).append(tensors)
+    return by_device, integers
+
+
+def _average_on_device(
+    device: torch.device, groups: list[list[torch.Tensor]], group: dist.ProcessGroup, cap_bytes: float, paths: _Paths
+) -> None:
+    """Average one device's parameters (one list per dtype) in place, or else through buckets."""
+    groups = [[_dense(p) for p in ps] for ps in groups]
+    in_place = reduced_by_nccl(group, device) if paths.in_place is None else paths.in_place
+    if in_place:
+        spans = [[(t.data_ptr(), t.nbytes) for t in ts] for ts in groups]
+        if not _overlap([span for group_spans in spans for span in group_spans]):
+            for tensors, group_spans in zip(groups, spans, strict=True):
+                merged = _merge_adjacent(tensors, group_spans)
+                if paths.on_in_place is not None:
+                    paths.on_in_place(merged)
+                _average_in_place(merged, group, paths.launch_max_tensors)
+            return
+    flat_groups = [[t if t.dim() == 1 else t.view(-1) for t in ts] for ts in groups]
+    staging = _Staging(
+        device,
+        max(sum(f.numel() for f in flats) * flats[0].element_size() for flats in flat_groups),
+        max(flats[0].element_size() for flats in flat_groups),
+        cap_bytes,
+    )
+    for flats in flat_groups:
+        _average_group(flats, group, staging)
+
+
+def _average_parameters(
+    params: Iterable[torch.Tensor],
+    process_group: dist.ProcessGroup | None,
+    bucket_cap_mb: float,
+    paths: _Paths | None = None,
+) -> None:
+    """:func:`average_parameters` with its paths chosen by ``paths``."""
+    cap_bytes = _check_bucket_cap_mb(bucket_cap_mb) * 2**20
+    group = resolve_group(process_group)
+    if dist.get_rank(group) < 0:  # not a member: nothing to average here
+        return
+    by_device, integers = _by_device(params, group)
+    with torch.no_grad():
+        for device, groups in by_device.items():
+            _average_on_device(device, groups, group, cap_bytes, paths or _Paths())
+        if integers:
+            _average_integers(integers, group)
 
 
 def average_parameters(
@@ -308,54 +408,26 @@ def average_parameters(
     (gloo, CPU) they go through buckets of at most ``bucket_cap_mb`` MiB of extra memory per
     device (a parameter larger than a bucket is split across buckets); so do GPU parameters that
     alias one another. A dense non-contiguous layout (channels-last) is averaged through its
-    memory-order flat view, which is contiguous, on either path. fp32/fp64 are divided by the group
-    size before the ``SUM`` (as torch does); fp16/bf16 are divided partly before and partly after it
-    (:func:`dcomm.core.divide_factors`); on NCCL in place, ``ReduceOp.AVG`` averages fp32/fp64/bf16
-    inside the collective. No device synchronize: on CUDA the current stream waits for each
-    allreduce, so later work on that stream sees the averaged values.
+    memory-order flat view, which is contiguous, on either path. The reduce op and divisions come
+    from :func:`dcomm.core.plan_average`: fp32/fp64 are divided by the group size before the
+    ``SUM`` (as torch does), fp16 partly before and partly after it, bf16 after it; on NCCL,
+    ``ReduceOp.AVG`` averages fp32/fp64/bf16 inside the collective. Integer and bool tensors
+    (BatchNorm's ``num_batches_tracked``) get their mean truncated toward zero, as torch gives
+    them (torch computes it in floating point; here the sum is exact). No device synchronize: on
+    CUDA the current stream waits for each allreduce, so later work on that stream sees the
+    averaged values.
 
     Every rank of the group must pass the same parameters in the same order, laid out alike (views
     of one buffer on one rank are views of one buffer on every rank, as the same model code gives).
+    Everything is checked before the first collective, so a bad parameter raises with nothing
+    averaged: an empty ``params`` (torch raises too; the peers would otherwise wait for this rank),
+    a sparse, meta or complex tensor, a CPU tensor on an NCCL group.
 
     Example::
 
         >>> average_parameters(model.parameters(), None)  # doctest: +SKIP
     """
-    _check_bucket_cap_mb(bucket_cap_mb)
-    group = resolve_group(process_group)
-    if dist._rank_not_in_group(group):
-        return
-    world = dist.get_world_size(group)
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    seen: set[int] = set()
-    for param in params:
-        if id(param) in seen or param.numel() == 0:
-            continue
-        seen.add(id(param))
-        by_kind.setdefault((param.device, param.dtype), []).append(param)
-    for device, _ in by_kind:
-        _check_device(device, group)
-    cap_bytes = bucket_cap_mb * 2**20
-    devices = list(dict.fromkeys(device for device, _ in by_kind))
-    with torch.no_grad():
-        for device in devices:
-            groups = [[_dense(p) for p in ps] for (d, _), ps in by_kind.items() if d == device]
-            if _averages_in_place(groups[0][0], group):
-                spans = [[(t.data_ptr(), t.nbytes) for t in ts] for ts in groups]
-                if not _overlap([span for group_spans in spans for span in group_spans]):
-                    for tensors, group_spans in zip(groups, spans, strict=True):
-                        _average_in_place(_merge_adjacent(tensors, group_spans), group, world)
-                    continue
-            groups = [[t if t.dim() == 1 else t.view(-1) for t in ts] for ts in groups]
-            staging = _Staging(
-                device,
-                max(sum(f.numel() for f in flats) * flats[0].element_size() for flats in groups),
-                max(flats[0].element_size() for flats in groups),
-                cap_bytes,
-            )
-            for flats in groups:
-                _average_group(flats, group, world, staging)
-            del staging
+    _average_parameters(params, process_group, bucket_cap_mb)
 
 
 def get_params_to_average(

@@ -21,10 +21,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dcomm.core.validation import check_state_dict, non_negative_int
+
 if TYPE_CHECKING:
     from dcomm.averaging.averagers import ModelAverager
 
 __all__ = ["PostLocalSGDOptimizer"]
+
+
+def _check_step(name: str, value: Any) -> int:
+    return non_negative_int(name, value, "pass what PostLocalSGDOptimizer.state_dict() returned")
+
 
 # The same text as torch's warning, so filters written for torch keep matching.
 NO_STEP_WARNING = "Loaded state dict does not contain a step counter for an averager. Setting step counter to 0."
@@ -77,22 +84,19 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the wrapped optimizer's state and the averager's step (0, with a warning, if absent).
 
+        ``"step"`` is checked before anything is loaded, and the wrapped optimizer checks its own
+        part before it changes, so a bad checkpoint leaves both the optimizer and the averager as
+        they were.
+
         Example::
 
             >>> opt.load_state_dict(torch.load(path))  # doctest: +SKIP
         """
+        checked = check_state_dict(type(self).__name__, state_dict, {"step": _check_step}, {}, required=())
         self.optim.load_state_dict(state_dict)
-        if "step" in state_dict:
-            step = state_dict["step"]
-            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-                raise ValueError(
-                    f"state_dict['step']: expected the averager's non-negative int step, got {step!r}; "
-                    "pass what PostLocalSGDOptimizer.state_dict() returned"
-                )
-            self.averager.step = step
-        else:
+        if "step" not in checked:
             warnings.warn(NO_STEP_WARNING, stacklevel=2)
-            self.averager.step = 0
+        self.averager.step = checked.get("step", 0)
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Step the wrapped optimizer (with ``closure`` if given), then the averager.

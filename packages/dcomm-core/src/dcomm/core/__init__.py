@@ -8,16 +8,20 @@ Example::
 """
 
 from dcomm.core.__about__ import __version__
+from dcomm.core.averaging import AveragePlan, average_sync, plan_average
 from dcomm.core.collectives import (
+    all_gather_single,
     allreduce_future,
     group_size,
+    member_size,
     reduce_scatter_future,
+    reduce_scatter_single,
     reduced_by_nccl,
     resolve_group,
     start_allreduce,
 )
 from dcomm.core.divide_factors import divide_factors
-from dcomm.core.groups import intra_node_subgroups, local_world_size, subgroups_of_size
+from dcomm.core.groups import host_identity, intra_node_subgroups, local_world_size, node_layout, subgroups_of_size
 from dcomm.core.low_precision import (
     LOW_PRECISION_DTYPES,
     cast_for_communication,
@@ -34,22 +38,30 @@ from dcomm.core.state import DefaultState, LowPrecisionState
 
 __all__ = [
     "LOW_PRECISION_DTYPES",
+    "AveragePlan",
     "DefaultState",
     "LowPrecisionState",
     "QUANTIZED_FORMATS",
     "__version__",
+    "all_gather_single",
     "allreduce_future",
+    "average_sync",
     "cast_for_communication",
     "copy_back",
     "dequantize",
     "divide_factors",
     "group_size",
+    "host_identity",
     "intra_node_subgroups",
     "keep_until_stream_done",
     "local_world_size",
+    "member_size",
+    "node_layout",
     "payload_bytes",
+    "plan_average",
     "quantize",
     "reduce_scatter_future",
+    "reduce_scatter_single",
     "reduced_by_nccl",
     "resolve_group",
     "start_allreduce",

@@ -1,7 +1,9 @@
 """Collectives that return futures and average with pre/post division on every backend.
 
-``ReduceOp.AVG`` is NCCL-only and premultiplied sums are unreliable for bf16, so averaging here is
-always a ``SUM`` between two plain divisions: ``tensor / pre``, then the sum, then ``/ post``.
+Averaging here is a reduction (``SUM`` unless told otherwise; see
+:func:`dcomm.core.plan_average`) between two plain divisions: ``tensor / pre``, then the
+reduction, then ``/ post``. The renamed single-tensor collectives of torch 2.13 are here too, under
+their new names, for every supported torch.
 
 Example::
 
@@ -11,14 +13,19 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "all_gather_single",
     "allreduce_future",
     "reduced_by_nccl",
     "group_size",
+    "member_size",
     "reduce_scatter_future",
+    "reduce_scatter_single",
     "resolve_group",
     "start_allreduce",
 ]
@@ -57,8 +64,25 @@ def group_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(resolve_group(group))
 
 
-def reduced_by_nccl(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
-    """Whether a collective on ``group`` reduces ``tensor`` with NCCL (a CUDA tensor, NCCL backend).
+def member_size(group: dist.ProcessGroup | None, name: str, fix: str) -> int:
+    """Size of ``group`` (WORLD when None); a ``ValueError`` naming ``name`` on a rank outside it.
+
+    ``dist.get_world_size`` answers -1 there, which would otherwise surface as a puzzling
+    "world size -1" further down.
+
+    Example::
+
+        >>> member_size(dist.new_group([0]), "process_group", "build it on rank 0 only")  # on rank 1  # doctest: +SKIP
+        ValueError: process_group: this rank (1) is not a member of the group; build it on rank 0 only
+    """
+    group = resolve_group(group)
+    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+        raise ValueError(f"{name}: this rank ({dist.get_rank()}) is not a member of the group; {fix}")
+    return dist.get_world_size(group)
+
+
+def reduced_by_nccl(group: dist.ProcessGroup, tensor: torch.Tensor | torch.device) -> bool:
+    """Whether a collective on ``group`` reduces ``tensor`` (or tensors on a device) with NCCL.
 
     Where it does, NCCL-only reduce ops (``AVG``, pre-multiplied sums) are available.
 
@@ -67,7 +91,8 @@ def reduced_by_nccl(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
         >>> reduced_by_nccl(dist.group.WORLD, torch.ones(1))  # a CPU tensor  # doctest: +SKIP
         False
     """
-    if tensor.device.type != "cuda":
+    device = tensor.device if isinstance(tensor, torch.Tensor) else tensor
+    if device.type != "cuda":
         return False
     try:
         return "nccl" in str(dist.get_backend(group))
@@ -86,12 +111,39 @@ def _work_future(work: dist.Work) -> torch.futures.Future:
         return done
 
 
-def _reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
-    # torch >= 2.13 renamed reduce_scatter_tensor to reduce_scatter_single.
-    op = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    work = op(output, tensor, group=group, async_op=True)
-    assert work is not None
-    return work
+def reduce_scatter_single(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    op: Any = dist.ReduceOp.SUM,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Reduce-scatter the flat ``tensor`` into ``output``: torch's single-tensor reduce-scatter by either name.
+
+    torch 2.13 renamed ``reduce_scatter_tensor`` to ``reduce_scatter_single`` (the old name warns).
+
+    Example::
+
+        >>> reduce_scatter_single(shard, flat, group)  # doctest: +SKIP
+    """
+    collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return collective(output, tensor, op=op, group=group, async_op=async_op)
+
+
+def all_gather_single(
+    output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None = None, *, async_op: bool = False
+) -> dist.Work | None:
+    """All-gather ``tensor`` from every rank into the flat ``output``, by either of torch's names.
+
+    torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` (the old name warns).
+
+    Example::
+
+        >>> all_gather_single(flat, shard, group)  # doctest: +SKIP
+    """
+    collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return collective(output, tensor, group=group, async_op=async_op)
 
 
 def _sum_options() -> dist.AllreduceOptions:
@@ -133,8 +185,9 @@ def allreduce_future(
     *,
     predivide: float = 1.0,
     postdivide: float = 1.0,
+    op: Any = dist.ReduceOp.SUM,
 ) -> torch.futures.Future[torch.Tensor]:
-    """Sum ``tensor`` in place over ``group`` asynchronously; return a future of ``tensor``.
+    """Reduce ``tensor`` in place over ``group`` (``op``, a sum by default); return a future of ``tensor``.
 
     ``tensor`` is divided by ``predivide`` before the sum and by ``postdivide`` after it (each
     skipped when 1), so ``predivide * postdivide == world_size`` averages.
@@ -146,7 +199,12 @@ def allreduce_future(
     group = resolve_group(group)
     if predivide != 1.0:
         tensor.div_(predivide)
-    fut = start_allreduce(tensor, group).get_future()
+    if op == dist.ReduceOp.SUM:
+        work = start_allreduce(tensor, group)
+    else:
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+        assert work is not None
+    fut = work.get_future()
     return fut.then(lambda f: _divided_in_place(f, tensor, postdivide))
 
 
@@ -157,6 +215,7 @@ def reduce_scatter_future(
     *,
     predivide: float = 1.0,
     postdivide: float = 1.0,
+    op: Any = dist.ReduceOp.SUM,
 ) -> torch.futures.Future[torch.Tensor]:
     """Reduce-scatter ``tensor`` (the full, flat input) into ``output`` (this rank's shard).
 
@@ -176,5 +235,6 @@ def reduce_scatter_future(
         )
     if predivide != 1.0:
         tensor.div_(predivide)
-    work = _reduce_scatter(output, tensor.reshape(-1), group)
+    work = reduce_scatter_single(output, tensor.reshape(-1), group, op=op, async_op=True)
+    assert work is not None
     return _work_future(work).then(lambda f: _divided_in_place(f, output, postdivide))

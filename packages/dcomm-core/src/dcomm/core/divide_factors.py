@@ -13,6 +13,8 @@ Example::
 
 from __future__ import annotations
 
+from dcomm.core.validation import positive_int
+
 __all__ = ["divide_factors"]
 
 
@@ -27,8 +29,7 @@ def divide_factors(world_size: int) -> tuple[float, float]:
         >>> divide_factors(6)
         (4.0, 1.5)
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size: expected a positive int, got {world_size!r}; pass dist.get_world_size(group)")
+    positive_int("world_size", world_size, "pass dist.get_world_size(group)")
     pre = 1
     while world_size % pre == 0 and world_size / pre > pre:
         pre *= 2

@@ -1,8 +1,8 @@
-"""Process-group helpers: the node size from the launcher and intra-node subgroups.
+"""Process-group helpers: nodes agreed by every rank, intra-node subgroups, subgroups of a size.
 
-The node size comes from ``LOCAL_WORLD_SIZE`` (set by ``torchrun``), falling back to the number of
-visible GPUs and then to 1, so CPU jobs and oversubscribed hosts get the groups the launcher
-meant, not one group per GPU.
+The ranks of a node are agreed collectively (:func:`node_layout`): every rank shares its host and
+its ``LOCAL_WORLD_SIZE`` (set by ``torchrun``) once, so ranks that were launched with different
+node sizes fail together with one message instead of pairing collectives with the wrong peers.
 
 Example::
 
@@ -15,13 +15,16 @@ Example::
 from __future__ import annotations
 
 import os
+import socket
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dcomm.core.collectives import resolve_group
+from dcomm.core.validation import positive_int
 
-__all__ = ["intra_node_subgroups", "local_world_size", "subgroups_of_size"]
+__all__ = ["host_identity", "intra_node_subgroups", "local_world_size", "node_layout", "subgroups_of_size"]
 
 
 def local_world_size() -> int:
@@ -66,8 +69,9 @@ def subgroups_of_size(
     parent = resolve_group(group)
     ranks = dist.get_process_group_ranks(parent)
     world = len(ranks)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world % size:
-        divisors = [d for d in range(1, world + 1) if world % d == 0]
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    positive_int(what, size, f"use one of {divisors}")
+    if world % size:
         raise ValueError(f"{what}: {size!r} does not divide the group size {world}; use one of {divisors}")
     if size == world:
         return (parent if dist.get_rank() in ranks else None), [parent]
@@ -83,15 +87,133 @@ def subgroups_of_size(
     return mine, subgroups
 
 
-def intra_node_subgroups(
-    group: dist.ProcessGroup | None = None,
-) -> tuple[dist.ProcessGroup | None, list[dist.ProcessGroup]]:
-    """One subgroup per node, sized by :func:`local_world_size`.
+def host_identity() -> str:
+    """This process's host: ``DCOMM_HOST_ID`` when set, else the host name and boot id.
 
-    Raises ``ValueError`` when the node size does not divide the group size.
+    The boot id (Linux) tells apart containers that share a host name. ``DCOMM_HOST_ID`` lets a
+    launcher or a test say which ranks share a node.
+
+    Example::
+
+        >>> host_identity()  # doctest: +SKIP
+        'node17/6f1c0f0e-...'
+    """
+    explicit = os.environ.get("DCOMM_HOST_ID")
+    if explicit:
+        return explicit
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _declared_local_size() -> int | str | None:
+    """``LOCAL_WORLD_SIZE`` as an int, the raw text when it is not a positive int, None when unset."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        return raw
+    return value if value >= 1 else raw
+
+
+def _layout_problem(entries: list[tuple[int, str, int | str | None]]) -> str | None:
+    """Why the gathered ``(rank, host, LOCAL_WORLD_SIZE)`` entries do not form a node layout, or None."""
+    declared = {size for _, _, size in entries}
+    if len(declared) > 1:
+        by_value: dict[str, list[int]] = {}
+        for rank, _, size in entries:
+            by_value.setdefault("unset" if size is None else repr(size), []).append(rank)
+        listing = ", ".join(f"{value} on ranks {ranks}" for value, ranks in by_value.items())
+        return (
+            f"LOCAL_WORLD_SIZE: the ranks disagree ({listing}); launch every rank with the same "
+            "LOCAL_WORLD_SIZE (torchrun sets it to --nproc-per-node), or unset it everywhere to group ranks by host"
+        )
+    (size,) = declared
+    if isinstance(size, str):
+        return (
+            f"LOCAL_WORLD_SIZE: expected a positive integer, got {size!r}; "
+            "unset it or set it to the number of ranks per node (torchrun does this)"
+        )
+    if size is None:
+        return None
+    for host, count in _hosts(entries).items():
+        if len(count) % size:
+            return (
+                f"LOCAL_WORLD_SIZE: {size} does not divide the {len(count)} ranks {count} of the group on host "
+                f"{host!r}; set it to the number of ranks per node, or unset it to group ranks by host"
+            )
+    return None
+
+
+def _hosts(entries: list[tuple[int, str, int | str | None]]) -> dict[str, list[int]]:
+    hosts: dict[str, list[int]] = {}
+    for rank, host, _ in entries:
+        hosts.setdefault(host, []).append(rank)
+    return hosts
+
+
+def node_layout(group: dist.ProcessGroup | None = None, *, host_id: str | None = None) -> list[list[int]]:
+    """The global ranks of each node of ``group`` (WORLD when None), agreed by all its ranks.
+
+    Collective over ``group``: every rank contributes its host (``host_id``, by default
+    :func:`host_identity`) and its ``LOCAL_WORLD_SIZE``, once. Ranks on one host form a node;
+    with ``LOCAL_WORLD_SIZE`` set (and equal on every rank), each host's ranks are cut into
+    consecutive nodes of that size (several launcher nodes on one host, as in tests). Every rank
+    raises the same ``ValueError`` when the declared sizes disagree with each other or with the
+    hosts, so no rank goes on to pair its collectives with the wrong peers. The GPU count plays no
+    part.
+
+    Example::
+
+        >>> node_layout()  # 2 hosts x 2 ranks  # doctest: +SKIP
+        [[0, 1], [2, 3]]
+    """
+    parent = resolve_group(group)
+    ranks = dist.get_process_group_ranks(parent)
+    mine = (host_id if host_id is not None else host_identity(), _declared_local_size())
+    gathered: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(gathered, mine, group=parent)
+    entries = [(rank, host, size) for rank, (host, size) in zip(ranks, gathered, strict=True)]
+    problem = _layout_problem(entries)
+    if problem is not None:
+        raise ValueError(problem)
+    size = entries[0][2]
+    nodes = []
+    for members in _hosts(entries).values():
+        step = len(members) if size is None else int(size)
+        nodes.extend(members[start : start + step] for start in range(0, len(members), step))
+    return nodes
+
+
+def intra_node_subgroups(
+    group: dist.ProcessGroup | None = None, *, host_id: str | None = None
+) -> tuple[dist.ProcessGroup | None, list[dist.ProcessGroup]]:
+    """One subgroup per node of ``group`` (WORLD when None), as :func:`node_layout` agrees on them.
+
+    Every rank of the default group must call this (the layout and group creation are
+    collective). Returns ``(the subgroup holding this rank, or None outside group; all
+    subgroups)``. Raises ``ValueError`` on every rank when ``LOCAL_WORLD_SIZE`` differs between
+    ranks or does not fit the hosts.
 
     Example::
 
         >>> mine, per_node = intra_node_subgroups()  # doctest: +SKIP
     """
-    return subgroups_of_size(local_world_size(), group, what="LOCAL_WORLD_SIZE")
+    parent = resolve_group(group)
+    nodes = node_layout(parent, host_id=host_id)
+    if len(nodes) == 1:
+        return parent, [parent]
+    me = dist.get_rank()
+    mine: dist.ProcessGroup | None = None
+    subgroups: list[dist.ProcessGroup] = []
+    for members in nodes:
+        subgroup = dist.new_group(members)
+        subgroups.append(subgroup)
+        if me in members:
+            mine = subgroup
+    return mine, subgroups

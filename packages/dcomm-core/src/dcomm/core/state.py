@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dcomm.core.collectives import member_size
 from dcomm.core.divide_factors import divide_factors
 
 __all__ = ["DefaultState", "LowPrecisionState"]
@@ -45,7 +46,11 @@ class DefaultState:
                 "pass dist.group.WORLD or the group the hook should reduce over"
             )
         self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
+        self.world_size = member_size(
+            process_group,
+            "process_group",
+            f"build the {type(self).__name__} only on the group's ranks, or pass a group that holds this rank",
+        )
         pre, post = divide_factors(self.world_size)
         self.gradient_predivide_factor = pre
         self.gradient_postdivide_factor = post

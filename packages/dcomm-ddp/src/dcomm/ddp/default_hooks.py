@@ -27,13 +27,14 @@ Example::
 # No ``from __future__ import annotations``: DDP compares the hooks' annotations with the real
 # ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` objects, not with strings.
 
+import functools
 import sys
 from types import FrameType
 
 import torch
 import torch.distributed as dist
 
-from dcomm.core import allreduce_future, copy_back, resolve_group, start_allreduce
+from dcomm.core import AveragePlan, allreduce_future, copy_back, plan_average, resolve_group, start_allreduce
 
 __all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
 
@@ -45,7 +46,7 @@ _LOW_PRECISION_ATTR = "_dcomm_ddp_low_precision"
 
 def _check_group(process_group: object, hook: str) -> dist.ProcessGroup:
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        raise ValueError(
+        raise TypeError(
             f"process_group: {hook} expects a ProcessGroup or None as its state, got "
             f"{type(process_group).__name__}; register it as "
             f"ddp_model.register_comm_hook(process_group_or_None, {hook})"
@@ -53,9 +54,22 @@ def _check_group(process_group: object, hook: str) -> dist.ProcessGroup:
     return resolve_group(process_group)
 
 
+def _plan(group: dist.ProcessGroup, tensor: torch.Tensor, dtype: torch.dtype) -> AveragePlan:
+    """torch's arithmetic for these hooks: divide by the group size, then ``SUM``, on every backend."""
+    return _cached_plan(group, dtype, tensor.device)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_plan(group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device) -> AveragePlan:
+    # Worked out once per group, dtype and device: a hook runs once per bucket on the backward's
+    # critical path.
+    return plan_average(group, dtype, device, arithmetic="predivide", nccl_average=False, nccl_premul=False)
+
+
 def _average(group: dist.ProcessGroup, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """Divide ``tensor`` by the group size, sum it in place over ``group``; a future of ``tensor``."""
-    return allreduce_future(tensor, group, predivide=float(group.size()))
+    """Average ``tensor`` in place over ``group`` (torch's arithmetic); a future of ``tensor``."""
+    plan = _plan(group, tensor, tensor.dtype)
+    return allreduce_future(tensor, group, predivide=plan.pre, postdivide=plan.post, op=plan.op)
 
 
 def _low_precision_copy(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -103,23 +117,29 @@ def _compress_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     group = _check_group(process_group, hook)
     buffer = bucket.buffer()
+    if buffer.is_sparse:
+        raise ValueError(
+            f"bucket: {hook} compresses dense gradients, but this bucket holds a sparse gradient (a "
+            "parameter with sparse gradients, e.g. nn.Embedding(sparse=True)); register "
+            "dcomm.ddp.allreduce_hook instead, or build the layer with sparse=False"
+        )
     if buffer.dtype == dtype:
         # Already low precision (a half-precision model): average in place, nothing to cast.
         return _average(group, buffer)
-    world = group.size()
+    plan = _plan(group, buffer, dtype)
     low = _low_precision_copy(buffer, dtype)
-    if world == 1:
+    if plan.pre == 1.0:
         low.copy_(buffer)
     else:
-        torch.div(buffer, world, out=low)  # cast and divide: one kernel
-    fut = start_allreduce(low, group).get_future()
+        torch.div(buffer, plan.pre, out=low)  # cast and divide: one kernel
+    fut = start_allreduce(low, group).get_future()  # plan.op is SUM: torch's arithmetic
     if _called_by_reducer(_caller_of_hook()):
         # DDP copies the result into the gradients in their own dtype: that copy is the cast back.
         return fut.then(lambda f: _when_done(f, low))
 
     def cast_back(fut: torch.futures.Future) -> torch.Tensor:
         fut.wait()
-        return copy_back(buffer, low)  # cast back into the bucket: one kernel
+        return copy_back(buffer, low)  # cast back into the bucket: one kernel (plan.post is 1)
 
     return fut.then(cast_back)
 

@@ -8,8 +8,8 @@ them only within ``subgroup`` (one group per node by default), or not at all whe
 
 Unlike torch's version, :class:`PostLocalSGDState` can be checkpointed (``state_dict()`` /
 ``load_state_dict()``), keeps counting iterations after the switch, builds its intra-node
-subgroups from the launcher's ``LOCAL_WORLD_SIZE`` (so it also works on CPU), and rejects bad
-arguments with an error that says what to pass.
+subgroups from nodes that every rank agrees on (host and ``LOCAL_WORLD_SIZE``; it also works on
+CPU), and rejects bad arguments with an error that says what to pass.
 
 Example::
 
@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcomm.core import allreduce_future, intra_node_subgroups, resolve_group
+from dcomm.core import allreduce_future, intra_node_subgroups, plan_average, resolve_group
+from dcomm.core.validation import boolean, check_state_dict, non_negative_int
 
 __all__ = ["PostLocalSGDState", "post_localSGD_hook"]
 
@@ -37,16 +38,8 @@ logger = logging.getLogger(__name__)
 _STATE_KEYS = ("iter", "start_localSGD_iter", "post_local_gradient_allreduce")
 
 
-def _check_count(name: str, value: object, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}: expected a non-negative int, got {value!r}; {fix}")
-    return value
-
-
-def _check_flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}: expected True or False, got {value!r}")
-    return value
+def _check_iter(name: str, value: object) -> int:
+    return non_negative_int(name, value, "pass what PostLocalSGDState.state_dict() returned")
 
 
 def _check_group(name: str, value: object, fix: str) -> dist.ProcessGroup | None:
@@ -58,7 +51,7 @@ def _check_group(name: str, value: object, fix: str) -> dist.ProcessGroup | None
             f"NON_GROUP_MEMBER here); {fix}"
         )
     if not isinstance(value, dist.ProcessGroup):
-        raise ValueError(f"{name}: expected a ProcessGroup or None, got {type(value).__name__}; {fix}")
+        raise TypeError(f"{name}: expected a ProcessGroup or None, got {type(value).__name__}; {fix}")
     return value
 
 
@@ -68,17 +61,19 @@ class PostLocalSGDState:
     Args:
         process_group: the group gradients are averaged over before the switch (WORLD when None).
         subgroup: the group they are averaged over after it. When None, one group per node is
-            built from ``LOCAL_WORLD_SIZE`` (set by torchrun; else the GPU count, else 1): here if
-            the default process group already exists, otherwise at the first local step. Every
-            rank must construct the state (group creation is collective); a node size that does
-            not divide the world size is a ``ValueError`` here, before training starts.
+            built (:func:`dcomm.core.intra_node_subgroups`: nodes agreed by every rank from its
+            host and ``LOCAL_WORLD_SIZE``): here if the default process group already exists,
+            otherwise at the first local step. Every rank must construct the state (this is
+            collective); node sizes that disagree between ranks or with the hosts are a
+            ``ValueError`` on every rank, before training starts.
         start_localSGD_iter: how many iterations average globally before the switch (>= 0).
         post_local_gradient_allreduce: average within ``subgroup`` after the switch (True), or
             leave each rank's gradient untouched (False).
 
     ``iter`` counts the iterations seen so far (once per backward, on its last bucket), also after
     the switch. ``state_dict()`` / ``load_state_dict()`` save and restore the counter and the
-    schedule, so a restored job continues exactly where it stopped.
+    schedule; a restored job continues exactly where it stopped (the schedule itself stays the
+    constructed one, and a checkpoint saved with another warns).
 
     Example::
 
@@ -110,12 +105,16 @@ class PostLocalSGDState:
             subgroup,
             "pass the group holding this rank to average within after the switch, or None for one group per node",
         )
-        self.start_localSGD_iter = _check_count(
+        self.start_localSGD_iter = non_negative_int(
             "start_localSGD_iter",
             start_localSGD_iter,
             "pass the number of globally averaged iterations before local SGD starts, e.g. 100",
         )
-        self.post_local_gradient_allreduce = _check_flag("post_local_gradient_allreduce", post_local_gradient_allreduce)
+        self.post_local_gradient_allreduce = boolean(
+            "post_local_gradient_allreduce",
+            post_local_gradient_allreduce,
+            "pass True to average within the subgroup after the switch, False to skip it",
+        )
         self.iter = 0
         if self.subgroup is None and self.post_local_gradient_allreduce and dist.is_initialized():
             self._local_group()
@@ -140,30 +139,21 @@ class PostLocalSGDState:
         return {key: getattr(self, key) for key in _STATE_KEYS}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved: ``iter`` and the schedule.
+        """Restore the iteration counter that :meth:`state_dict` saved.
 
-        The groups stay those this state was constructed with.
+        Everything is checked before ``iter`` changes. The schedule (``start_localSGD_iter``,
+        ``post_local_gradient_allreduce``) and the groups stay those this state was constructed
+        with; a saved schedule that differs warns, as the averagers do for their settings, so a
+        hook/averager schedule mismatch never goes unnoticed.
 
         Example::
 
             >>> state = PostLocalSGDState(None, None, start_localSGD_iter=10)  # doctest: +SKIP
             >>> state.load_state_dict(checkpoint["post_local_sgd"])  # doctest: +SKIP
         """
-        if not isinstance(state_dict, Mapping):
-            raise ValueError(
-                f"state_dict: expected a mapping from PostLocalSGDState.state_dict(), got {type(state_dict).__name__}"
-            )
-        missing = [key for key in _STATE_KEYS if key not in state_dict]
-        if missing:
-            raise ValueError(
-                f"state_dict: missing keys {missing} (has {sorted(state_dict)}); pass what "
-                "PostLocalSGDState.state_dict() returned"
-            )
-        fix = "pass what PostLocalSGDState.state_dict() returned"
-        it = _check_count("state_dict['iter']", state_dict["iter"], fix)
-        start = _check_count("state_dict['start_localSGD_iter']", state_dict["start_localSGD_iter"], fix)
-        flag = _check_flag("state_dict['post_local_gradient_allreduce']", state_dict["post_local_gradient_allreduce"])
-        self.iter, self.start_localSGD_iter, self.post_local_gradient_allreduce = it, start, flag
+        settings = {key: getattr(self, key) for key in _STATE_KEYS if key != "iter"}
+        checked = check_state_dict(type(self).__name__, state_dict, {"iter": _check_iter}, settings)
+        self.iter = checked["iter"]
 
     def __repr__(self) -> str:
         return (
@@ -211,4 +201,8 @@ def post_localSGD_hook(state: PostLocalSGDState, bucket: dist.GradBucket) -> tor
             logger.info("post-local SGD: local SGD from iteration %d on", state.iter)
     if group is None or group.size() == 1:
         return _done(buffer)
-    return allreduce_future(buffer, group, predivide=float(group.size()))
+    # torch's arithmetic, bit for bit: divide by the group size, then SUM.
+    plan = plan_average(
+        group, buffer.dtype, buffer.device, arithmetic="predivide", nccl_average=False, nccl_premul=False
+    )
+    return allreduce_future(buffer, group, predivide=plan.pre, postdivide=plan.post, op=plan.op)

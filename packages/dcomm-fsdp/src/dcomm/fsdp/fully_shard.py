@@ -34,12 +34,16 @@ from torch import nn
 
 from dcomm.core import (
     LOW_PRECISION_DTYPES,
+    AveragePlan,
+    average_sync,
     cast_for_communication,
     copy_back,
-    divide_factors,
     keep_until_stream_done,
-    reduced_by_nccl,
+    plan_average,
+    reduce_scatter_single,
 )
+from dcomm.core.torch_private import TorchChanged
+from dcomm.fsdp._torch_private import fsdp_param_groups, mp_policy, set_mp_policy
 
 __all__ = ["LowPrecisionReduceScatter", "low_precision_mp_policy", "use_low_precision_reduction"]
 
@@ -63,24 +67,12 @@ class _CompletedWork:
         return fut
 
 
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-"""The single-tensor reduce-scatter (``reduce_scatter_single`` where this torch has it)."""
-
-
 def _check_dtype(dtype: torch.dtype) -> None:
     if dtype not in LOW_PRECISION_DTYPES:
         raise ValueError(
             f"dtype: expected torch.float16 or torch.bfloat16, got {dtype!r}; "
             "pass the dtype to communicate gradients in"
         )
-
-
-def _nccl_premul_sum(group: dist.ProcessGroup, tensor: torch.Tensor, factor: float) -> Any:
-    """NCCL's pre-multiplied SUM by ``factor`` for ``tensor`` on ``group``, or None where unavailable."""
-    make = getattr(dist, "_make_nccl_premul_sum", None)
-    if make is None or not reduced_by_nccl(group, tensor):
-        return None
-    return make(factor)
 
 
 class LowPrecisionReduceScatter:
@@ -122,7 +114,7 @@ class LowPrecisionReduceScatter:
         _check_dtype(dtype)
         self.dtype = dtype
         self._warned = False
-        self._plans: dict[tuple[Any, ...], tuple[int, Any, float, float]] = {}
+        self._plans: dict[tuple[Any, ...], tuple[int, AveragePlan | None, AveragePlan]] = {}
 
     def __repr__(self) -> str:
         return f"LowPrecisionReduceScatter(dtype={self.dtype})"
@@ -139,25 +131,22 @@ class LowPrecisionReduceScatter:
 
     def _plan(
         self, group: dist.ProcessGroup, input_tensor: torch.Tensor, output_tensor: torch.Tensor
-    ) -> tuple[int, Any, float, float]:
-        """``(group size, reduce op or None for the fallback, pre-divide, post-divide)`` for these buffers.
+    ) -> tuple[int, AveragePlan | None, AveragePlan]:
+        """``(group size, the fast path's plan or None, the cast fallback's plan)`` for these buffers.
 
         Worked out once per group, device type and buffer dtypes: FSDP2 calls the reduce-scatter
-        once per module per backward, on its critical path.
+        once per module per backward, on its critical path. The fast path takes the best plan of
+        :func:`dcomm.core.plan_average` for ``self.dtype`` (NCCL ``AVG`` for bf16, fp16's
+        pre-division folded into NCCL's pre-multiplied sum, ``SUM`` then one division for bf16 on
+        gloo); the fallback divides in its casts around a plain ``SUM``.
         """
         world = dist.get_world_size(group)
-        pre, post = divide_factors(world)
+        fallback = plan_average(
+            group, self.dtype, input_tensor.device, arithmetic="split", nccl_average=False, nccl_premul=False
+        )
         if input_tensor.dtype != self.dtype or output_tensor.dtype != self.dtype:
-            return world, None, pre, post
-        reduce_op: Any = dist.ReduceOp.SUM
-        if self.dtype == torch.bfloat16:
-            if world > 1 and reduced_by_nccl(group, input_tensor):
-                reduce_op, pre, post = dist.ReduceOp.AVG, 1.0, 1.0  # NCCL divides inside the sum
-            else:
-                pre, post = 1.0, float(world)  # exact: see the class docstring
-        elif pre > 1 and (premul := _nccl_premul_sum(group, input_tensor, 1.0 / pre)) is not None:
-            reduce_op, pre = premul, 1.0
-        return world, reduce_op, pre, post
+            return world, None, fallback
+        return world, plan_average(group, self.dtype, input_tensor.device), fallback
 
     def __call__(
         self,
@@ -185,18 +174,14 @@ class LowPrecisionReduceScatter:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(group, input_tensor, output_tensor)
-        world, reduce_op, pre, post = plan
+        world, fast, fallback = plan
         if input_tensor.numel() != output_tensor.numel() * world:
             raise ValueError(
                 f"input_tensor: expected {output_tensor.numel() * world} elements (output numel "
                 f"{output_tensor.numel()} x group size {world}), got {input_tensor.numel()}"
             )
-        if reduce_op is not None:  # the fast path: FSDP2 already converted the input to self.dtype
-            if pre > 1:
-                input_tensor.div_(pre)
-            _REDUCE_SCATTER(output_tensor, input_tensor, op=reduce_op, group=group)
-            if post > 1:
-                output_tensor.div_(post)
+        if fast is not None:  # the fast path: FSDP2 already converted the input to self.dtype
+            average_sync(input_tensor, group, fast, output=output_tensor)
             return _CompletedWork() if async_op else None
         if not self._warned:
             self._warned = True
@@ -208,10 +193,10 @@ class LowPrecisionReduceScatter:
                 UserWarning,
                 stacklevel=2,
             )
-        low_input = cast_for_communication(input_tensor, self.dtype, pre)
+        low_input = cast_for_communication(input_tensor, self.dtype, fallback.pre)
         low_output = torch.empty_like(output_tensor, dtype=self.dtype)
-        _REDUCE_SCATTER(low_output, low_input, group=group)
-        copy_back(output_tensor, low_output, post)
+        reduce_scatter_single(low_output, low_input, group, op=fallback.op)
+        copy_back(output_tensor, low_output, fallback.post)
         keep_until_stream_done(low_input)
         keep_until_stream_done(low_output)
         return _CompletedWork() if async_op else None
@@ -282,33 +267,27 @@ def _reduces_in(policy: Any, dtype: torch.dtype) -> bool:
 
 
 def _set_reduce_dtype(module: nn.Module, dtype: torch.dtype) -> bool:
-    """Make ``module``'s FSDP2 parameter groups reduce in ``dtype``; False where torch's internals differ.
+    """Make ``module``'s FSDP2 parameter groups reduce in ``dtype``; False (and a warning) where torch differs.
 
-    FSDP2 has no public setter for the mixed-precision policy after ``fully_shard``. Its releases
-    (2.4 to 2.13 at least) keep it as ``FSDPParamGroup.mp_policy`` (a frozen dataclass), read it in
-    ``FSDPParamGroup._init_mp_dtypes`` (run by the lazy init at the first forward) and keep the
-    parameter groups under ``FSDPState._fsdp_param_group`` (one) or ``_fsdp_param_groups`` (a list,
-    newer releases). Where this returns False the reduce-scatter casts by itself and warns.
+    FSDP2 has no public setter for the mixed-precision policy after ``fully_shard``: the
+    parameter groups are reached through :mod:`dcomm.fsdp._torch_private`. Where a torch release
+    changed them the reduce-scatter casts by itself (correct, slower) and the warning says which
+    member changed.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     try:
-        state = module._get_fsdp_state()  # type: ignore[operator]
-    except (AttributeError, AssertionError):
+        for group in fsdp_param_groups(module):
+            policy = mp_policy(group)
+            if not isinstance(policy, MixedPrecisionPolicy):
+                raise TorchChanged(
+                    f"torch {torch.__version__} changed a parameter group's mp_policy: got {type(policy).__name__}"
+                )
+            if not _reduces_in(policy, dtype):
+                set_mp_policy(group, dataclasses.replace(policy, reduce_dtype=dtype))
+    except TorchChanged as changed:
+        warnings.warn(f"use_low_precision_reduction: {changed}", UserWarning, stacklevel=3)
         return False
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [] if group is None else [group]
-    for group in groups:
-        policy = getattr(group, "mp_policy", None)
-        if not isinstance(policy, MixedPrecisionPolicy) or not callable(getattr(group, "_init_mp_dtypes", None)):
-            return False
-        if _reduces_in(policy, dtype):
-            continue
-        group.mp_policy = dataclasses.replace(policy, reduce_dtype=dtype)
-        if "_reduce_dtype" in vars(group):  # lazily initialised already: recompute the dtypes now
-            group._init_mp_dtypes()
     return True
 
 

@@ -4,8 +4,9 @@ FSDP calls a hook once per flat parameter after backward. For ``NO_SHARD`` it ca
 ``hook(state, grad)`` and the hook averages ``grad`` in place over ``state.process_group``; for
 ``FULL_SHARD`` and ``SHARD_GRAD_OP`` it calls ``hook(state, grad, output)`` and the hook
 reduce-scatters the padded flat ``grad`` into this rank's shard ``output``. Averaging is a ``SUM``
-between a pre-division and a post-division (:func:`dcomm.core.divide_factors`), so it works on
-every backend.
+between the state's pre-division and post-division (:func:`dcomm.core.plan_average` with the
+state's factors, by default those of :func:`dcomm.core.divide_factors`), so it works on every
+backend.
 
 The fp16/bf16 hooks communicate a low-precision copy and write the averaged result back in
 ``state.parameter_type``. Unlike torch's own low-precision hooks they never rely on FSDP
@@ -27,7 +28,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcomm.core import DefaultState, LowPrecisionState, cast_for_communication, copy_back, keep_until_stream_done
+from dcomm.core import (
+    AveragePlan,
+    DefaultState,
+    LowPrecisionState,
+    average_sync,
+    cast_for_communication,
+    copy_back,
+    keep_until_stream_done,
+    plan_average,
+)
 
 __all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "reduce_scatter_hook"]
 
@@ -50,12 +60,6 @@ def _check_state(state: Any, hook: str, *, low_precision: bool) -> dist.ProcessG
     return group
 
 
-def _reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Synchronous reduce-scatter (``SUM``); the name changed in torch 2.13."""
-    op = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    op(output, tensor, group=group)
-
-
 def _check_shard_sizes(hook: str, state: Any, grad: torch.Tensor, output: torch.Tensor) -> None:
     world = dist.get_world_size(state.process_group)
     if grad.numel() != output.numel() * world:
@@ -66,9 +70,10 @@ def _check_shard_sizes(hook: str, state: Any, grad: torch.Tensor, output: torch.
         )
 
 
-def _div_if_needed(tensor: torch.Tensor, factor: float) -> None:
-    if factor > 1:
-        tensor.div_(factor)
+def _plan(state: DefaultState, group: dist.ProcessGroup, grad: torch.Tensor) -> AveragePlan:
+    """torch's FSDP hook arithmetic: ``SUM`` between the state's pre- and post-division (each when > 1)."""
+    factors = (max(state.gradient_predivide_factor, 1.0), max(state.gradient_postdivide_factor, 1.0))
+    return plan_average(group, grad.dtype, grad.device, factors=factors, nccl_average=False, nccl_premul=False)
 
 
 def allreduce_hook(state: DefaultState, grad: torch.Tensor) -> None:
@@ -84,9 +89,7 @@ def allreduce_hook(state: DefaultState, grad: torch.Tensor) -> None:
         >>> model.register_comm_hook(DefaultState(dist.group.WORLD), allreduce_hook)  # doctest: +SKIP
     """
     group = _check_state(state, "allreduce_hook", low_precision=False)
-    _div_if_needed(grad, state.gradient_predivide_factor)
-    dist.all_reduce(grad, group=group)
-    _div_if_needed(grad, state.gradient_postdivide_factor)
+    average_sync(grad, group, _plan(state, group, grad))
 
 
 def reduce_scatter_hook(state: DefaultState, grad: torch.Tensor, output: torch.Tensor) -> None:
@@ -103,18 +106,15 @@ def reduce_scatter_hook(state: DefaultState, grad: torch.Tensor, output: torch.T
     """
     group = _check_state(state, "reduce_scatter_hook", low_precision=False)
     _check_shard_sizes("reduce_scatter_hook", state, grad, output)
-    _div_if_needed(grad, state.gradient_predivide_factor)
-    _reduce_scatter(output, grad, group)
-    _div_if_needed(output, state.gradient_postdivide_factor)
+    average_sync(grad, group, _plan(state, group, grad), output=output)
 
 
-def _write_back(state: LowPrecisionState, target: torch.Tensor, low: torch.Tensor) -> None:
-    """Store ``low / postdivide`` in ``target`` as ``state.parameter_type``.
+def _write_back(state: LowPrecisionState, target: torch.Tensor, low: torch.Tensor, post: float) -> None:
+    """Store ``low / post`` in ``target`` as ``state.parameter_type``.
 
     In place (one fused kernel) when ``target`` already has that dtype; otherwise ``target`` is
     rebound to a new tensor of that dtype, exactly as FSDP itself rebinds gradients it casts.
     """
-    post = state.gradient_postdivide_factor if state.gradient_postdivide_factor > 1 else 1.0
     if target.dtype == state.parameter_type:
         copy_back(target, low, post)
     else:
@@ -127,21 +127,22 @@ def _low_precision_hook(
     dtype: torch.dtype, name: str, state: LowPrecisionState, grad: torch.Tensor, output: torch.Tensor | None
 ) -> None:
     group = _check_state(state, name, low_precision=True)
-    pre = state.gradient_predivide_factor if state.gradient_predivide_factor > 1 else 1.0
+    op, pre, post = _plan(state, group, grad)
     if output is not None:
         _check_shard_sizes(name, state, grad, output)
     # A fresh low-precision buffer holding grad / pre (cast and divide in one kernel). The
     # collective below is synchronous with respect to the current stream, and the buffers are
     # tied to that stream, so the allocator cannot reuse them before the collective is done.
     low_grad = cast_for_communication(grad, dtype, pre)
+    reduce_only = AveragePlan(op, 1.0, 1.0)  # the divisions are fused into the casts
     if output is None:
-        dist.all_reduce(low_grad, group=group)
-        _write_back(state, grad, low_grad)
+        average_sync(low_grad, group, reduce_only)
+        _write_back(state, grad, low_grad, post)
         keep_until_stream_done(low_grad)
         return
     low_out = torch.empty_like(output, dtype=dtype)
-    _reduce_scatter(low_out, low_grad, group)
-    _write_back(state, output, low_out)
+    average_sync(low_grad, group, reduce_only, output=low_out)
+    _write_back(state, output, low_out, post)
     keep_until_stream_done(low_grad)
     keep_until_stream_done(low_out)
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
+from dcomm.fsdp._torch_private import hybrid_zero2_strategy
 from dcomm.fsdp.hooks import (
     _check_state,
     allreduce_hook,
@@ -31,7 +32,7 @@ from dcomm.fsdp.hooks import (
 
 __all__ = ["register_comm_hook"]
 
-_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, hybrid_zero2_strategy())
 _LOW_PRECISION = (fp16_compress_hook, bf16_compress_hook)
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dcomm.core import quantization
+from dcomm.core import all_gather_single, quantization
 
 __all__ = ["BLOCK_SIZE", "COMPRESSIONS", "Feedback", "PendingAverage", "PseudoGradientExchange", "ReadyAverage"]
 
@@ -40,9 +40,7 @@ BLOCK_SIZE = 256
 
 
 def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
-    # torch >= 2.13 renamed all_gather_into_tensor to all_gather_single.
-    op = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work = op(output, tensor, group=group, async_op=True)
+    work = all_gather_single(output, tensor, group, async_op=True)
     assert work is not None
     return work
 

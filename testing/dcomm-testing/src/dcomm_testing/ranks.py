@@ -112,41 +112,34 @@ def _drain(results: Any, outcomes: dict[int, tuple[bool, Any]]) -> None:
         pass
 
 
-def run_ranks(
-    fn: Callable[..., T],
+def _start(
+    fn: Callable[..., Any],
     world_size: int,
-    *args: Any,
-    backend: str = "gloo",
-    timeout: float = 120.0,
-    env: Mapping[str, str] | None = None,
-) -> list[T]:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` new ranks; return their results.
-
-    ``fn`` must be importable by name (a module-level function) and its arguments and result
-    picklable. ``env`` is set in every rank before the process group starts (``LOCAL_WORLD_SIZE``
-    for a simulated multi-node layout, say). ``timeout`` bounds both the process group's
-    collectives and the whole run.
-
-    Example::
-
-        >>> run_ranks(worker, 4, env={"LOCAL_WORLD_SIZE": "2"})  # doctest: +SKIP
-    """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
+    args: tuple[Any, ...],
+    backend: str,
+    timeout: float,
+    env: Mapping[str, str],
+    store_path: str,
+) -> tuple[list[Any], Any]:
+    """Start one process per rank; return the processes and the queue their outcomes arrive on."""
     ctx = _context()
     results = ctx.Queue()
-    folder = tempfile.mkdtemp(prefix="dcomm-ranks-")
-    store_path = os.path.join(folder, "store")
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, backend, store_path, timeout, dict(env or {}), args, results),
+            args=(fn, rank, world_size, backend, store_path, timeout, dict(env), args, results),
             daemon=True,
         )
         for rank in range(world_size)
     ]
     for proc in procs:
         proc.start()
+    return procs, results
+
+
+def _collect(procs: list[Any], results: Any, timeout: float) -> dict[int, tuple[bool, Any]]:
+    """Each rank's ``(ok, value or traceback)``; ranks still running after a failure or the deadline are killed."""
+    world_size = len(procs)
     outcomes: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout + 30.0
     first_failure: float | None = None
@@ -175,7 +168,12 @@ def run_ranks(
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        shutil.rmtree(folder, ignore_errors=True)
+    return outcomes
+
+
+def _report(name: str, procs: list[Any], outcomes: dict[int, tuple[bool, Any]], timeout: float) -> None:
+    """Raise :class:`RankFailure` with every failed or missing rank's story, if any."""
+    world_size = len(procs)
     failures = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
     missing = [r for r in range(world_size) if r not in outcomes]
     if missing:
@@ -185,5 +183,35 @@ def run_ranks(
             f"after {timeout:.0f}s or after another rank failed"
         )
     if failures:
-        raise RankFailure(f"{fn.__name__} failed on {world_size} ranks:\n" + "\n".join(failures))
+        raise RankFailure(f"{name} failed on {world_size} ranks:\n" + "\n".join(failures))
+
+
+def run_ranks(
+    fn: Callable[..., T],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+) -> list[T]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` new ranks; return their results.
+
+    ``fn`` must be importable by name (a module-level function) and its arguments and result
+    picklable. ``env`` is set in every rank before the process group starts (``LOCAL_WORLD_SIZE``
+    for a simulated multi-node layout, say). ``timeout`` bounds both the process group's
+    collectives and the whole run.
+
+    Example::
+
+        >>> run_ranks(worker, 4, env={"LOCAL_WORLD_SIZE": "2"})  # doctest: +SKIP
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
+    folder = tempfile.mkdtemp(prefix="dcomm-ranks-")
+    try:
+        procs, results = _start(fn, world_size, args, backend, timeout, env or {}, os.path.join(folder, "store"))
+        outcomes = _collect(procs, results, timeout)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    _report(fn.__name__, procs, outcomes, timeout)
     return [outcomes[r][1] for r in range(world_size)]

@@ -1,0 +1,146 @@
+"""Argument and checkpoint checks shared by every dcomm constructor and ``load_state_dict``.
+
+One message form everywhere: ``"<argument>: expected <what>, got <value>; <fix>"``. A value of the
+wrong type is a ``TypeError``, a value of the right type outside its range a ``ValueError``. Only
+Python ``int`` counts as an int (``bool``, floats and tensors do not), the same in a constructor
+and in a checkpoint.
+
+Example::
+
+    >>> from dcomm.core.validation import positive_int
+    >>> positive_int("period", 4, "pass how many steps apart to average")
+    4
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+__all__ = [
+    "boolean",
+    "check_state_dict",
+    "non_negative_int",
+    "one_of",
+    "positive_int",
+    "positive_number",
+]
+
+
+def _fail(kind: type[Exception], name: str, expected: str, value: Any, fix: str) -> Exception:
+    return kind(f"{name}: expected {expected}, got {value!r}; {fix}")
+
+
+def _int(name: str, value: Any, minimum: int, expected: str, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(TypeError, name, expected, value, fix)
+    if value < minimum:
+        raise _fail(ValueError, name, expected, value, fix)
+    return value
+
+
+def positive_int(name: str, value: Any, fix: str) -> int:
+    """``value`` if it is an int >= 1; else a TypeError (not an int) or ValueError (< 1).
+
+    Example::
+
+        >>> positive_int("period", 0, "pass e.g. 4")
+        Traceback (most recent call last):
+        ValueError: period: expected a positive int, got 0; pass e.g. 4
+    """
+    return _int(name, value, 1, "a positive int", fix)
+
+
+def non_negative_int(name: str, value: Any, fix: str) -> int:
+    """``value`` if it is an int >= 0; else a TypeError (not an int) or ValueError (< 0).
+
+    Example::
+
+        >>> non_negative_int("warmup_steps", 0, "pass 0 for no warm-up")
+        0
+    """
+    return _int(name, value, 0, "a non-negative int", fix)
+
+
+def positive_number(name: str, value: Any, fix: str) -> float:
+    """``value`` as a float if it is a real number > 0 (not a bool); else a TypeError or ValueError.
+
+    Example::
+
+        >>> positive_number("bucket_cap_mb", 25, "pass e.g. 25")
+        25.0
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(TypeError, name, "a positive number", value, fix)
+    if not value > 0:
+        raise _fail(ValueError, name, "a positive number", value, fix)
+    return float(value)
+
+
+def boolean(name: str, value: Any, fix: str) -> bool:
+    """``value`` if it is True or False; else a TypeError.
+
+    Example::
+
+        >>> boolean("post_local_gradient_allreduce", True, "pass True or False")
+        True
+    """
+    if not isinstance(value, bool):
+        raise _fail(TypeError, name, "True or False", value, fix)
+    return value
+
+
+def one_of(name: str, value: Any, choices: Collection[Any], fix: str) -> Any:
+    """``value`` if it is one of ``choices``; else a ValueError listing them.
+
+    Example::
+
+        >>> one_of("side", "torch", ("torch", "dcomm"), "pick a side")
+        'torch'
+    """
+    if value not in choices:
+        raise _fail(ValueError, name, f"one of {list(choices)}", value, fix)
+    return value
+
+
+def check_state_dict(
+    owner: str,
+    state_dict: Any,
+    progress: Mapping[str, Callable[[str, Any], Any]],
+    settings: Mapping[str, Any],
+    *,
+    required: Collection[str] | None = None,
+) -> dict[str, Any]:
+    """Check a state dict completely before anything is changed; return its checked progress values.
+
+    ``progress`` maps each key the object restores to a checker ``(name, value) -> value``;
+    ``required`` (all progress keys when None) must be present. ``settings`` are the values this
+    object was constructed with: the checkpoint never replaces them (the constructor decides the
+    schedule, the checkpoint only how far it got). A saved setting that differs warns, naming
+    both values, so a resumed schedule that differs from the saved run's never goes unnoticed.
+    The same policy holds for every stateful dcomm object.
+
+    Example::
+
+        >>> check_state_dict("PeriodicModelAverager", {"step": 3}, {"step": lambda n, v: v}, {})
+        {'step': 3}
+    """
+    fix = f"pass what {owner}.state_dict() returned"
+    if not isinstance(state_dict, Mapping):
+        raise _fail(TypeError, "state_dict", f"the mapping {owner}.state_dict() returns", type(state_dict), fix)
+    needed = list(progress) if required is None else list(required)
+    missing = [key for key in needed if key not in state_dict]
+    if missing:
+        raise ValueError(f"state_dict: missing keys {missing} (has {sorted(map(str, state_dict))}); {fix}")
+    present = [key for key in progress if key in state_dict]
+    checked = {key: progress[key](f"state_dict[{key!r}]", state_dict[key]) for key in present}
+    for key, value in settings.items():
+        if key in state_dict and state_dict[key] != value:
+            warnings.warn(
+                f"state_dict: saved {key}={state_dict[key]!r} differs from this {owner}'s {key}={value!r}; "
+                f"{owner} keeps {key}={value!r}, so the schedule after the restore differs from the saved "
+                f"run's (construct the {owner} with {key}={state_dict[key]!r} to continue it exactly)",
+                stacklevel=3,
+            )
+    return checked

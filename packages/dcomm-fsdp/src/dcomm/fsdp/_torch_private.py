@@ -1,0 +1,78 @@
+"""Every private torch member dcomm-fsdp reads, and the accessors that read them.
+
+FSDP2 has no public setter for a module's mixed-precision policy after ``fully_shard``, so
+:func:`dcomm.fsdp.use_low_precision_reduction` reaches its parameter groups through these; FSDP1
+names its second hybrid strategy privately.
+
+Example::
+
+    >>> groups = fsdp_param_groups(module)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule, ShardingStrategy
+
+from dcomm.core.torch_private import PrivateMember, TorchChanged, private_member, supported_torch
+
+_DISTRIBUTION = "dcomm-fsdp"
+
+
+def _param_group_class() -> type:
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    return FSDPParamGroup
+
+
+_GET_STATE = PrivateMember(lambda: FSDPModule, "_get_fsdp_state", "how a fully_shard module reaches its FSDP state")
+_INIT_MP_DTYPES = PrivateMember(
+    _param_group_class, "_init_mp_dtypes", "how FSDP2 derives a parameter group's dtypes from its mp_policy"
+)
+_HYBRID_ZERO2 = PrivateMember(lambda: ShardingStrategy, "_HYBRID_SHARD_ZERO2", "FSDP's hybrid ZeRO-2 strategy")
+PRIVATE_MEMBERS = [_GET_STATE, _INIT_MP_DTYPES, _HYBRID_ZERO2]
+"""Members on classes; the per-instance ones (a state's parameter groups, a group's ``mp_policy``)
+are checked on a real ``fully_shard`` module by the package's test."""
+
+
+def _read(owner: Any, member: PrivateMember) -> Any:
+    return private_member(owner, member.name, distribution=_DISTRIBUTION, what=member.what)
+
+
+def hybrid_zero2_strategy() -> ShardingStrategy:
+    """``ShardingStrategy._HYBRID_SHARD_ZERO2``."""
+    return _read(ShardingStrategy, _HYBRID_ZERO2)
+
+
+def fsdp_param_groups(module: Any) -> list[Any]:
+    """The FSDP2 parameter groups of the ``fully_shard`` module ``module`` (none before it has parameters).
+
+    torch keeps one as ``FSDPState._fsdp_param_group`` (up to 2.x) or a list as
+    ``_fsdp_param_groups`` (newer releases); either is accepted.
+    """
+    state = _read(module, _GET_STATE)()
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    if hasattr(state, "_fsdp_param_group"):
+        group = state._fsdp_param_group
+        return [] if group is None else [group]
+    raise TorchChanged(
+        f"torch {torch.__version__} changed where FSDP2 keeps a module's parameter groups: "
+        f"{type(state).__name__} has neither _fsdp_param_groups nor _fsdp_param_group; "
+        f"{_DISTRIBUTION} supports {supported_torch(_DISTRIBUTION)}"
+    )
+
+
+def mp_policy(group: Any) -> Any:
+    """A parameter group's ``mp_policy`` (a frozen ``MixedPrecisionPolicy``)."""
+    return private_member(group, "mp_policy", distribution=_DISTRIBUTION, what="a parameter group's mp_policy")
+
+
+def set_mp_policy(group: Any, policy: Any) -> None:
+    """Give a parameter group ``policy``; recompute its dtypes if FSDP2 already derived them."""
+    mp_policy(group)  # raises where torch no longer keeps it
+    group.mp_policy = policy
+    if "_reduce_dtype" in vars(group):  # lazily initialised already: recompute the dtypes now
+        _read(group, _INIT_MP_DTYPES)()

@@ -1,0 +1,21 @@
+"""dcomm_testing: the helpers shared by dcomm's test suites (not shipped in any runtime wheel).
+
+Example::
+
+    >>> from dcomm_testing import run_ranks
+    >>> run_ranks(worker, 2)  # doctest: +SKIP
+"""
+
+from dcomm_testing.helpers import assert_close, cpu_record_stream_is_noop, seeded_batch
+from dcomm_testing.implementations import IMPLEMENTATIONS, implementation
+from dcomm_testing.ranks import RankFailure, run_ranks
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "RankFailure",
+    "assert_close",
+    "cpu_record_stream_is_noop",
+    "implementation",
+    "run_ranks",
+    "seeded_batch",
+]

@@ -22,9 +22,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dcomm.ddp
-from dcomm.core.testing import run_ranks
 from dcomm.ddp import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from dcomm.ddp._seed_stream import SeedStream
+from dcomm_testing import run_ranks
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -13,8 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dcomm.ddp
 from dcomm.core.quantization import max_code
-from dcomm.core.testing import run_ranks
 from dcomm.ddp import QuantizedState, fp8_compress_hook, int8_compress_hook, quantized_allreduce_bytes
+from dcomm_testing import run_ranks
 
 TIMEOUT = 240.0
 HOOKS = {"int8": int8_compress_hook, "fp8": fp8_compress_hook}

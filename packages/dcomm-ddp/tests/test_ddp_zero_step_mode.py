@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dcomm.core.testing import run_ranks
 from dcomm.ddp import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved, step_mode_of
 from dcomm.ddp._zero.step_mode import PATHS, Calibration
+from dcomm_testing import run_ranks
 
 BUCKET_MB = 0.001  # several buckets once DDP settles its layout
 RS_TOL = {"rtol": 1e-5, "atol": 1e-6}

@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dcomm.core.quantization import max_code
-from dcomm.core.testing import run_ranks
 from dcomm.fsdp import QuantizedReduceScatter, use_quantized_reduction
+from dcomm_testing import run_ranks
 
 TIMEOUT = 240.0
 BLOCK = 16

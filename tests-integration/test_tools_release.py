@@ -46,11 +46,11 @@ def test_sibling_pin_that_excludes_the_sibling(repo: Path) -> None:
     assert "dcomm-ddp: pin 'dcomm-core<0.2,>=0.1' excludes dcomm-core 0.2.0" in problems[1]
 
 
-def test_torch_ranges_must_agree(repo: Path) -> None:
+def test_torch_range_must_be_the_shared_one(repo: Path) -> None:
     pyproject = repo / "packages/dcomm-fsdp/pyproject.toml"
-    pyproject.write_text(pyproject.read_text().replace('"torch>=2.11,<2.15"', '"torch>=2.12"'))
+    pyproject.write_text(pyproject.read_text().replace('"torch>=2.11,<2.16"', '"torch>=2.12"'))
     (problem,) = check_pins.check(repo)
-    assert problem.startswith("torch ranges differ across packages")
+    assert problem == "dcomm-fsdp: torch range '>=2.12' is not the shared '>=2.11,<2.16'; pin 'torch>=2.11,<2.16'"
 
 
 def test_namespace_init_is_rejected(repo: Path) -> None:

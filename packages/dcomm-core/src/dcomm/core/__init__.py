@@ -18,6 +18,7 @@ from dcomm.core.collectives import (
 )
 from dcomm.core.divide_factors import divide_factors
 from dcomm.core.groups import intra_node_subgroups, local_world_size, subgroups_of_size
+from dcomm.core.log import get_logger, log_all_ranks, warn_once
 from dcomm.core.low_precision import (
     LOW_PRECISION_DTYPES,
     cast_for_communication,
@@ -43,10 +44,12 @@ __all__ = [
     "copy_back",
     "dequantize",
     "divide_factors",
+    "get_logger",
     "group_size",
     "intra_node_subgroups",
     "keep_until_stream_done",
     "local_world_size",
+    "log_all_ranks",
     "payload_bytes",
     "quantize",
     "reduce_scatter_future",
@@ -54,4 +57,5 @@ __all__ = [
     "resolve_group",
     "start_allreduce",
     "subgroups_of_size",
+    "warn_once",
 ]

@@ -21,18 +21,17 @@ Example::
 # No ``from __future__ import annotations``: DDP compares the hook's annotations with the real
 # ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` objects, not with strings.
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dcomm.core import allreduce_future, intra_node_subgroups, resolve_group
+from dcomm.core import allreduce_future, get_logger, intra_node_subgroups, resolve_group
 
 __all__ = ["PostLocalSGDState", "post_localSGD_hook"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)  # rank 0 only
 
 _STATE_KEYS = ("iter", "start_localSGD_iter", "post_local_gradient_allreduce")
 

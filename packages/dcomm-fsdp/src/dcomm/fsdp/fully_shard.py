@@ -24,7 +24,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +38,7 @@ from dcomm.core import (
     divide_factors,
     keep_until_stream_done,
     reduced_by_nccl,
+    warn_once,
 )
 
 __all__ = ["LowPrecisionReduceScatter", "low_precision_mp_policy", "use_low_precision_reduction"]
@@ -109,19 +109,20 @@ class LowPrecisionReduceScatter:
     cast to ``dtype`` divided by the pre-divide factor into a new buffer, and the shard written
     back in the output's dtype divided by the post-divide factor. Those buffers are allocated on,
     and tied to, the stream that runs the collective, which is synchronous with respect to that
-    stream, so their memory is never reused while the reduce-scatter is in flight.
+    stream, so their memory is never reused while the reduce-scatter is in flight. Each such call
+    adds 1 to ``fallbacks``; the first one in a process warns once, on rank 0.
 
     Example::
 
         >>> fsdp_module.set_custom_reduce_scatter(LowPrecisionReduceScatter(torch.float16))  # doctest: +SKIP
     """
 
-    __slots__ = ("_plans", "_warned", "dtype")
+    __slots__ = ("_plans", "dtype", "fallbacks")
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
         _check_dtype(dtype)
         self.dtype = dtype
-        self._warned = False
+        self.fallbacks = 0  # reductions that took the slower cast path (public, for monitoring)
         self._plans: dict[tuple[Any, ...], tuple[int, Any, float, float]] = {}
 
     def __repr__(self) -> str:
@@ -198,16 +199,14 @@ class LowPrecisionReduceScatter:
             if post > 1:
                 output_tensor.div_(post)
             return _CompletedWork() if async_op else None
-        if not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"LowPrecisionReduceScatter({self.dtype}): got a {input_tensor.dtype} reduce-scatter input, "
-                f"so it casts to {self.dtype} itself (correct, one extra pass over the gradients); pass "
-                f"mp_policy=dcomm.fsdp.low_precision_mp_policy({self.dtype}) to fully_shard so that FSDP "
-                "converts the gradients in its copy-in",
-                UserWarning,
-                stacklevel=2,
-            )
+        self.fallbacks += 1
+        warn_once(
+            ("LowPrecisionReduceScatter", self.dtype, input_tensor.dtype),
+            f"LowPrecisionReduceScatter({self.dtype}): got a {input_tensor.dtype} reduce-scatter input, "
+            f"so it casts to {self.dtype} itself (correct, one extra pass over the gradients; counted in "
+            f"its .fallbacks); pass mp_policy=dcomm.fsdp.low_precision_mp_policy({self.dtype}) to "
+            "fully_shard so that FSDP converts the gradients in its copy-in",
+        )
         low_input = cast_for_communication(input_tensor, self.dtype, pre)
         low_output = torch.empty_like(output_tensor, dtype=self.dtype)
         _REDUCE_SCATTER(low_output, low_input, group=group)

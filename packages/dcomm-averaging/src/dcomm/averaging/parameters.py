@@ -227,7 +227,7 @@ def _span(run: list[torch.Tensor]) -> torch.Tensor:
     if len(run) == 1:
         return first
     numel = sum(t.numel() for t in run)
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,))
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,), (1,))
 
 
 def _average_in_place(tensors: list[torch.Tensor], group: dist.ProcessGroup, world: int) -> None:
@@ -241,10 +241,10 @@ def _average_in_place(tensors: list[torch.Tensor], group: dist.ProcessGroup, wor
     """
     pre, post = _divisors(tensors[0].dtype, world)
     options = dist.AllreduceCoalescedOptions()
-    options.reduceOp = dist.ReduceOp.SUM
+    options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stub: ReduceOp, the value: RedOpType
     if _nccl_average(group, tensors[0], world):
         # NCCL averages inside the collective: no separate division pass over the data.
-        options.reduceOp, pre, post = dist.ReduceOp.AVG, 1.0, 1.0
+        options.reduceOp, pre, post = dist.ReduceOp.AVG, 1.0, 1.0  # type: ignore[assignment]
     if hasattr(options, "asyncOp"):
         options.asyncOp = True
     launched: list[tuple[dist.Work, list[torch.Tensor]]] = []
@@ -373,7 +373,7 @@ def get_params_to_average(
     chosen: list[torch.nn.Parameter] = []
     for item in params:
         if isinstance(item, torch.Tensor):
-            candidates: Iterable[torch.nn.Parameter] = [item]  # type: ignore[list-item]
+            candidates: Iterable[torch.nn.Parameter] = [item]
         elif isinstance(item, dict) and "params" in item:
             candidates = item["params"]
         else:

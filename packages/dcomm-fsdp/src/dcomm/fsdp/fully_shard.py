@@ -341,7 +341,7 @@ def use_low_precision_reduction(module: nn.Module, dtype: torch.dtype = torch.bf
     """
     comm = LowPrecisionReduceScatter(dtype)
     fsdp_module = _fsdp_module_class()
-    targets = [m for m in module.modules() if isinstance(m, fsdp_module)]
+    targets: list[Any] = [m for m in module.modules() if isinstance(m, fsdp_module)]
     if not targets:
         raise ValueError(
             f"module: no fully_shard module in {type(module).__name__}; call "

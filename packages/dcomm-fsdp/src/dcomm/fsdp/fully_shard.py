@@ -284,7 +284,8 @@ def _set_reduce_dtype(module: nn.Module, dtype: torch.dtype) -> bool:
     """Make ``module``'s FSDP2 parameter groups reduce in ``dtype``; False where torch's internals differ.
 
     FSDP2 has no public setter for the mixed-precision policy after ``fully_shard``. Its releases
-    (2.4 to 2.13 at least) keep it as ``FSDPParamGroup.mp_policy`` (a frozen dataclass), read it in
+    keep it as ``FSDPParamGroup.mp_policy`` (a frozen dataclass; 2.4 to 2.14) or on each of the
+    group's ``fsdp_params`` (``FSDPParam.mp_policy``; 2.15), read it in
     ``FSDPParamGroup._init_mp_dtypes`` (run by the lazy init at the first forward) and keep the
     parameter groups under ``FSDPState._fsdp_param_group`` (one) or ``_fsdp_param_groups`` (a list,
     newer releases). Where this returns False the reduce-scatter casts by itself and warns.
@@ -300,13 +301,16 @@ def _set_reduce_dtype(module: nn.Module, dtype: torch.dtype) -> bool:
         group = getattr(state, "_fsdp_param_group", None)
         groups = [] if group is None else [group]
     for group in groups:
-        policy = getattr(group, "mp_policy", None)
-        if not isinstance(policy, MixedPrecisionPolicy) or not callable(getattr(group, "_init_mp_dtypes", None)):
+        holders = [group] if hasattr(group, "mp_policy") else list(getattr(group, "fsdp_params", []))
+        policies = [getattr(holder, "mp_policy", None) for holder in holders]
+        if not holders or not callable(getattr(group, "_init_mp_dtypes", None)):
             return False
-        if _reduces_in(policy, dtype):
-            continue
-        group.mp_policy = dataclasses.replace(policy, reduce_dtype=dtype)
-        if "_reduce_dtype" in vars(group):  # lazily initialised already: recompute the dtypes now
+        if not all(isinstance(policy, MixedPrecisionPolicy) for policy in policies):
+            return False
+        stale = [(h, p) for h, p in zip(holders, policies, strict=True) if not _reduces_in(p, dtype)]
+        for holder, policy in stale:
+            holder.mp_policy = dataclasses.replace(policy, reduce_dtype=dtype)
+        if stale and "_reduce_dtype" in vars(group):  # lazily initialised already: recompute the dtypes now
             group._init_mp_dtypes()
     return True
 

@@ -144,15 +144,8 @@ def test_no_stale_rows_in_the_readme_table() -> None:
 
 
 # Positional parameters added after torch's would shift a positional call; keyword-only ones do not.
-POSITIONAL_ADDITIONS_BEING_FIXED = {
-    # The ZeRO reduce_scatter parameter becomes keyword-only in its own change.
-    "torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook.hook_with_zero_step",
-    "torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook.hook_with_zero_step_interleaved",
-}
-
-
 @pytest.mark.parametrize("torch_module", sorted(MIRRORED))
-def test_added_parameters_are_keyword_only(torch_module: str, request: pytest.FixtureRequest) -> None:
+def test_added_parameters_are_keyword_only(torch_module: str) -> None:
     theirs_module = importlib.import_module(torch_module)
     ours_module = importlib.import_module(MIRRORED[torch_module])
     positional = []
@@ -162,7 +155,5 @@ def test_added_parameters_are_keyword_only(torch_module: str, request: pytest.Fi
         if t is None or o is None:
             continue
         added = [p for p, (kind, _) in o.items() if p not in t and kind not in ("KEYWORD_ONLY", "VAR_KEYWORD")]
-        if added and f"{torch_module}.{name}" in POSITIONAL_ADDITIONS_BEING_FIXED:
-            request.applymarker(pytest.mark.xfail(reason="being made keyword-only", strict=False))
         positional += [f"{name}({p})" for p in added]
     assert not positional, f"{torch_module}: added parameters that are not keyword-only: {positional}"

@@ -96,7 +96,7 @@ def _reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: dist.Proc
 
 def _sum_options() -> dist.AllreduceOptions:
     options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.SUM
+    options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stub: ReduceOp, the value: RedOpType
     return options
 
 

@@ -307,9 +307,9 @@ def _set_reduce_dtype(module: nn.Module, dtype: torch.dtype) -> bool:
             return False
         if not all(isinstance(policy, MixedPrecisionPolicy) for policy in policies):
             return False
-        stale = [(h, p) for h, p in zip(holders, policies, strict=True) if not _reduces_in(p, dtype)]
-        for holder, policy in stale:
-            holder.mp_policy = dataclasses.replace(policy, reduce_dtype=dtype)
+        stale = [holder for holder in holders if not _reduces_in(holder.mp_policy, dtype)]
+        for holder in stale:
+            holder.mp_policy = dataclasses.replace(holder.mp_policy, reduce_dtype=dtype)
         if stale and "_reduce_dtype" in vars(group):  # lazily initialised already: recompute the dtypes now
             group._init_mp_dtypes()
     return True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -46,11 +48,11 @@ def test_sibling_pin_that_excludes_the_sibling(repo: Path) -> None:
     assert "dcomm-ddp: pin 'dcomm-core<0.2,>=0.1' excludes dcomm-core 0.2.0" in problems[1]
 
 
-def test_torch_ranges_must_agree(repo: Path) -> None:
+def test_torch_range_must_be_the_shared_one(repo: Path) -> None:
     pyproject = repo / "packages/dcomm-fsdp/pyproject.toml"
-    pyproject.write_text(pyproject.read_text().replace('"torch>=2.11,<2.15"', '"torch>=2.12"'))
+    pyproject.write_text(pyproject.read_text().replace('"torch>=2.11,<2.16"', '"torch>=2.12"'))
     (problem,) = check_pins.check(repo)
-    assert problem.startswith("torch ranges differ across packages")
+    assert problem == "dcomm-fsdp: torch range '>=2.12' is not the shared '>=2.11,<2.16'; pin 'torch>=2.11,<2.16'"
 
 
 def test_namespace_init_is_rejected(repo: Path) -> None:
@@ -77,29 +79,52 @@ def test_tag_must_match_the_package_version(repo: Path, tag: str, message: str |
         assert message in problems[0]
 
 
-@pytest.mark.parametrize(
-    ("current", "part", "expected"),
-    [
-        ("0.1.0", "minor", "0.2.0"),
-        ("0.1.3", "patch", "0.1.4"),
-        ("0.9.1", "major", "1.0.0"),
-        ("0.1.0", "0.1.5", "0.1.5"),
-    ],
-)
-def test_next_version(current: str, part: str, expected: str) -> None:
-    assert bump_version.next_version(current, part) == expected
+@pytest.mark.parametrize(("version", "pin"), [("0.2.0", ">=0.2,<0.3"), ("0.2.3", ">=0.2,<0.3"), ("1.4.0", ">=1.4,<2")])
+def test_compatible_range(version: str, pin: str) -> None:
+    assert bump_version.compatible_range(version) == pin
 
 
-@pytest.mark.parametrize(("part", "message"), [("0.0.9", "not greater"), ("sideways", "neither one of")])
-def test_next_version_rejects(part: str, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        bump_version.next_version("0.1.0", part)
-
-
-def test_bump_writes_version_and_changelog_then_pins_flag_dependants(repo: Path) -> None:
-    assert bump_version.bump("dcomm-core", "minor", root=repo) == "0.2.0"
+def test_release_dates_the_changelog_and_widens_dependants(repo: Path) -> None:
     core = repo / "packages/dcomm-core"
-    assert '__version__ = "0.2.0"' in (core / "src/dcomm/core/__about__.py").read_text()
-    assert "## 0.2.0 — unreleased" in (core / "CHANGELOG.md").read_text()
-    problems = check_pins.sibling_problems(load_packages(repo))
-    assert sorted(p.split(":")[0] for p in problems) == ["dcomm-averaging", "dcomm-ddp", "dcomm-fsdp"]
+    about = core / "src/dcomm/core/__about__.py"
+    about.write_text(about.read_text().replace('"0.1.0"', '"0.2.0"'))  # what `hatch version minor` does
+    assert len(check_pins.sibling_problems(load_packages(repo))) == 3
+    changelog = core / "CHANGELOG.md"
+    changelog.write_text(changelog.read_text().replace("## [Unreleased]\n", "## [Unreleased]\n\n- A change.\n", 1))
+
+    version, repinned = bump_version.release("dcomm-core", root=repo, today=datetime.date(2026, 12, 1))
+    assert (version, sorted(repinned)) == ("0.2.0", ["dcomm-averaging", "dcomm-ddp", "dcomm-fsdp"])
+    assert check_pins.sibling_problems(load_packages(repo)) == []
+    assert '"dcomm-core>=0.2,<0.3"' in (repo / "packages/dcomm-ddp/pyproject.toml").read_text()
+    text = changelog.read_text()
+    assert "## [Unreleased]\n\n## [0.2.0] - 2026-12-01\n\n" in text
+    assert "- \n" not in text  # no empty bullet
+    assert "[Unreleased]: https://github.com/dcomm-dev/dcomm/compare/dcomm-core-v0.2.0...HEAD" in text
+    assert text.count("[Unreleased]: ") == 1
+    notes = bump_version.release_notes(text, "0.2.0")
+    assert notes.startswith("- A change.\n")
+    assert "## [0.1.0]" not in notes
+
+
+def test_release_refuses_an_empty_unreleased_section(repo: Path) -> None:
+    changelog = repo / "packages/dcomm-ddp/CHANGELOG.md"
+    text = changelog.read_text()
+    start = text.index("## [Unreleased]") + len("## [Unreleased]")
+    changelog.write_text(text[:start] + "\n\n" + text[text.index("## [0.1.0]") :])
+    about = repo / "packages/dcomm-ddp/src/dcomm/ddp/__about__.py"
+    about.write_text(about.read_text().replace('"0.1.0"', '"0.1.1"'))
+    with pytest.raises(ValueError, match=r"'## \[Unreleased\]' has no entries to release"):
+        bump_version.release("dcomm-ddp", root=repo)
+    with pytest.raises(ValueError, match=r"no dated '## \[0.1.1\] - YYYY-MM-DD' section"):
+        bump_version.release_notes(changelog.read_text(), "0.1.1")
+
+
+def test_every_changelog_has_an_unreleased_section_and_dated_releases() -> None:
+    for package in load_packages():
+        text = (package.folder / "CHANGELOG.md").read_text()
+        assert "## [Unreleased]" in text, package.name
+        assert bump_version.release_notes(text, "0.1.0").strip(), package.name
+        headings = [line for line in text.split("\n") if line.startswith("## ")]
+        assert headings[0] == "## [Unreleased]", package.name
+        undated = [h for h in headings[1:] if not re.match(r"^## \[\d+\.\d+\.\d+\] - \d{4}-\d{2}-\d{2}$", h)]
+        assert not undated, f"{package.name}: release headings without a date: {undated}"

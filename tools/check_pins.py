@@ -2,7 +2,8 @@
 
 - every ``dcomm-*`` dependency admits the sibling's current version (hatch silently skips an
   editable sibling whose pin excludes it, so nothing else would notice);
-- every distribution pins torch to the same range;
+- every distribution pins torch to ``TORCH_RANGE``: the oldest torch tested on GPUs up to the
+  newest release on the index (CI's matrix tests both ends);
 - ``dcomm`` stays a PEP 420 namespace: no ``src/dcomm/__init__.py``; each package ships
   ``src/dcomm/<name>/__init__.py`` and ``py.typed``;
 - with ``--tag dcomm-ddp-v0.2.0``: the tag names a package and equals its version.
@@ -21,10 +22,13 @@ import sys
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from workspace import ROOT, Package, load_packages
 
 TAG_RE = re.compile(r"^(dcomm-[a-z]+)-v(.+)$")
+# Widen the upper bound when a torch release passes CI's newest-torch job.
+TORCH_RANGE = ">=2.11,<2.16"
 
 
 def sibling_problems(packages: list[Package]) -> list[str]:
@@ -51,11 +55,14 @@ def torch_problems(packages: list[Package]) -> list[str]:
     for package in packages:
         pins = [str(Requirement(d).specifier) for d in package.dependencies if Requirement(d).name == "torch"]
         ranges[package.name] = pins[0] if pins else None
-    problems = [f"{name}: no torch dependency; add the shared torch range" for name, r in ranges.items() if r is None]
-    distinct = {r for r in ranges.values() if r is not None}
-    if len(distinct) > 1:
-        problems.append(f"torch ranges differ across packages: {ranges}; use one range everywhere")
-    return problems
+    wanted = SpecifierSet(TORCH_RANGE)
+    return [
+        f"{name}: torch range {r!r} is not the shared {TORCH_RANGE!r}; pin 'torch{TORCH_RANGE}'"
+        if r is not None
+        else f"{name}: no torch dependency; add 'torch{TORCH_RANGE}'"
+        for name, r in ranges.items()
+        if r is None or SpecifierSet(r) != wanted
+    ]
 
 
 def namespace_problems(packages: list[Package]) -> list[str]:

@@ -161,9 +161,21 @@ def _switching(rank: int, world: int) -> None:
     theirs = torch_plsgd.PostLocalSGDState(None, torch_node, START)
     assert_equal(mine, Run(torch_plsgd.post_localSGD_hook, theirs).train(), "lazy subgroups")
 
+    # Partial migrations: torch's state with dcomm's hook (its subgroups built from
+    # LOCAL_WORLD_SIZE, where torch's hook would need GPUs), dcomm's state with torch's hook.
+    reference = Run(torch_plsgd.post_localSGD_hook, torch_plsgd.PostLocalSGDState(None, torch_node, START)).train()
+    theirs = torch_plsgd.PostLocalSGDState(None, None, START)
+    assert_equal(Run(post_localSGD_hook, theirs).train(), reference, "torch's state, dcomm's hook")
+    assert dist.get_process_group_ranks(theirs.subgroup) == nodes[rank // 2]
+    assert theirs.iter == STEPS
+    ours = PostLocalSGDState(None, torch_node, START)
+    assert_equal(Run(torch_plsgd.post_localSGD_hook, ours).train(), reference, "dcomm's state, torch's hook")
+    assert ours.iter == START  # torch's hook stops counting at the switch
+
     # The wrong state type: a clear error from backward on every rank, nothing hangs.
     run = Run(post_localSGD_hook, dist.group.WORLD)
-    with pytest.raises(Exception, match="state: post_localSGD_hook expects a PostLocalSGDState, got"):
+    match = r"state: post_localSGD_hook expects a dcomm\.ddp\.PostLocalSGDState or a torch"
+    with pytest.raises(Exception, match=match):
         run.step(0)
 
 
@@ -287,8 +299,31 @@ def test_state_dict_round_trip_and_bad_state_dicts() -> None:
 
 
 def test_hook_rejects_other_states() -> None:
-    with pytest.raises(ValueError, match="state: post_localSGD_hook expects a PostLocalSGDState, got NoneType"):
+    match = (
+        r"state: post_localSGD_hook expects a dcomm.ddp.PostLocalSGDState or a "
+        r"torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook.PostLocalSGDState, got "
+        r"builtins.NoneType \(no process_group, subgroup, .*maybe_increase_iter\)"
+    )
+    with pytest.raises(ValueError, match=match):
         post_localSGD_hook(None, None)  # type: ignore[arg-type]
+
+
+class FakeBucket:
+    def __init__(self, last: bool) -> None:
+        self.last = last
+
+    def is_last(self) -> bool:
+        return self.last
+
+
+def test_maybe_increase_iter_counts_last_buckets_like_torch() -> None:
+    ours = PostLocalSGDState(None, None, 2, False)
+    theirs = torch_plsgd.PostLocalSGDState(None, None, 2, False)
+    for last in (False, True, False, True, True):
+        ours.maybe_increase_iter(FakeBucket(last))
+        theirs.maybe_increase_iter(FakeBucket(last))
+        assert ours.iter == theirs.iter
+    assert ours.iter == 3
 
 
 def test_public_attributes_match_torch() -> None:

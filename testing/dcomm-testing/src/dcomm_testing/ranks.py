@@ -38,7 +38,7 @@ class RankFailure(RuntimeError):
     """One or more ranks raised, died or hung; the message holds each rank's story."""
 
 
-def _context() -> multiprocessing.context.BaseContext:
+def _context() -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
     if sys.platform.startswith("linux"):
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.nn.parallel"])

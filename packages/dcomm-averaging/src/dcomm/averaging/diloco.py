@@ -405,10 +405,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for mine, saved in zip(self._global, extra["global"], strict=True):
                 mine.copy_(saved)
-            for mine, saved in zip(self._feedback, extra["feedback"], strict=True):
-                if mine is not None:
-                    mine.sent.copy_(saved["sent"])
-                    mine.chunk.copy_(saved["chunk"])
+            for feedback, saved in zip(self._feedback, extra["feedback"], strict=True):
+                if feedback is not None:
+                    feedback.sent.copy_(saved["sent"])
+                    feedback.chunk.copy_(saved["chunk"])
         device = self._params[0].device
         self._in_flight = [
             _InFlight(p["fragment"], p["apply_step"], p["apply_step"], ReadyAverage(p["average"].to(device)))

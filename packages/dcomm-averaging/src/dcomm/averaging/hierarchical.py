@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import itertools
-import logging
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -33,11 +32,11 @@ from dcomm.averaging.parameters import (
     _check_bucket_cap_mb,
     average_parameters_or_parameter_groups,
 )
-from dcomm.core import member_size, subgroups_of_size
+from dcomm.core import get_logger, member_size, subgroups_of_size
 
 __all__ = ["HierarchicalModelAverager"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)  # rank 0 only
 
 # The same text as torch's warning, so filters written for torch keep matching.
 MAX_PERIOD_ONE_WARNING = (

@@ -193,7 +193,7 @@ def _span(run: list[torch.Tensor]) -> torch.Tensor:
     if len(run) == 1:
         return first
     numel = sum(t.numel() for t in run)
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,))
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,), (1,))
 
 
 def _average_in_place(
@@ -211,7 +211,7 @@ def _average_in_place(
     # pre/post division (no pre-multiplied sums in a coalesced allreduce).
     op, pre, post = plan_average(group, tensors[0].dtype, tensors[0].device, nccl_premul=False)
     options = dist.AllreduceCoalescedOptions()
-    options.reduceOp = op
+    options.reduceOp = op  # type: ignore[assignment]  # torch's stub: ReduceOp, the value: RedOpType
     if hasattr(options, "asyncOp"):
         options.asyncOp = True
     launched: list[tuple[dist.Work, list[torch.Tensor]]] = []
@@ -445,7 +445,7 @@ def get_params_to_average(
     chosen: list[torch.nn.Parameter] = []
     for item in params:
         if isinstance(item, torch.Tensor):
-            candidates: Iterable[torch.nn.Parameter] = [item]  # type: ignore[list-item]
+            candidates: Iterable[torch.nn.Parameter] = [item]
         elif isinstance(item, dict) and "params" in item:
             candidates = item["params"]
         else:

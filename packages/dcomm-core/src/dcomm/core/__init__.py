@@ -22,6 +22,7 @@ from dcomm.core.collectives import (
 )
 from dcomm.core.divide_factors import divide_factors
 from dcomm.core.groups import host_identity, intra_node_subgroups, local_world_size, node_layout, subgroups_of_size
+from dcomm.core.log import get_logger, log_all_ranks, warn_once
 from dcomm.core.low_precision import (
     LOW_PRECISION_DTYPES,
     cast_for_communication,
@@ -50,6 +51,7 @@ __all__ = [
     "copy_back",
     "dequantize",
     "divide_factors",
+    "get_logger",
     "group_size",
     "host_identity",
     "intra_node_subgroups",
@@ -57,6 +59,7 @@ __all__ = [
     "local_world_size",
     "member_size",
     "node_layout",
+    "log_all_ranks",
     "payload_bytes",
     "plan_average",
     "quantize",
@@ -66,4 +69,5 @@ __all__ = [
     "resolve_group",
     "start_allreduce",
     "subgroups_of_size",
+    "warn_once",
 ]

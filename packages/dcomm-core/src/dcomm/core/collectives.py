@@ -148,7 +148,7 @@ def all_gather_single(
 
 def _sum_options() -> dist.AllreduceOptions:
     options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.SUM
+    options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stub: ReduceOp, the value: RedOpType
     return options
 
 

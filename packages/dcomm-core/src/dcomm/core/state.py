@@ -39,7 +39,7 @@ class DefaultState:
         "world_size",
     )
 
-    def __init__(self, process_group: dist.ProcessGroup) -> None:
+    def __init__(self, process_group: dist.ProcessGroup | None) -> None:
         if process_group is None:
             raise ValueError(
                 f"process_group: expected a ProcessGroup for {type(self).__name__}, got None; "
@@ -76,7 +76,7 @@ class LowPrecisionState(DefaultState):
 
     def __init__(
         self,
-        process_group: dist.ProcessGroup,
+        process_group: dist.ProcessGroup | None,
         parameter_type: torch.dtype = torch.float32,
     ) -> None:
         super().__init__(process_group)

@@ -12,6 +12,7 @@ Example::
 """
 
 from dcomm.ddp.__about__ import __version__
+from dcomm.ddp.compress_wrappers import bf16_compress_wrapper, fp16_compress_wrapper
 from dcomm.ddp.default_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from dcomm.ddp.post_local_sgd import PostLocalSGDState, post_localSGD_hook
 from dcomm.ddp.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
@@ -29,6 +30,9 @@ __all__ = [
     "allreduce_hook",
     "fp16_compress_hook",
     "bf16_compress_hook",
+    # compress_wrappers
+    "fp16_compress_wrapper",
+    "bf16_compress_wrapper",
     # post_local_sgd
     "PostLocalSGDState",
     "post_localSGD_hook",

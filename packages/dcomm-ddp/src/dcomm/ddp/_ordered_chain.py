@@ -54,8 +54,10 @@ class OrderedChain:
         rest: Callable[[torch.futures.Future], T],
     ) -> torch.futures.Future[T]:
         tail = self._tail
-        pending = tail is not None and not tail.done()
         # Nothing pending: launch now, as a plain hook would; else after the previous chain.
-        fut = tail.then(lambda _: rest(_waited(first()))) if pending else first().then(rest)
+        if tail is not None and not tail.done():
+            fut = tail.then(lambda _: rest(_waited(first())))
+        else:
+            fut = first().then(rest)
         self._tail = fut
         return fut

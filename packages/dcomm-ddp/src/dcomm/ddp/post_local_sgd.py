@@ -21,19 +21,18 @@ Example::
 # No ``from __future__ import annotations``: DDP compares the hook's annotations with the real
 # ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` objects, not with strings.
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dcomm.core import allreduce_future, intra_node_subgroups, plan_average, resolve_group
+from dcomm.core import allreduce_future, get_logger, intra_node_subgroups, plan_average, resolve_group
 from dcomm.core.validation import boolean, check_state_dict, non_negative_int
 
 __all__ = ["PostLocalSGDState", "post_localSGD_hook"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)  # rank 0 only
 
 _STATE_KEYS = ("iter", "start_localSGD_iter", "post_local_gradient_allreduce")
 
@@ -117,15 +116,23 @@ class PostLocalSGDState:
         )
         self.iter = 0
         if self.subgroup is None and self.post_local_gradient_allreduce and dist.is_initialized():
-            self._local_group()
+            _local_group(self)
         logger.info("post-local SGD: local SGD starts after %d iterations", self.start_localSGD_iter)
 
-    def _local_group(self) -> dist.ProcessGroup:
-        """``subgroup``, building the intra-node subgroups on first use."""
-        if self.subgroup is None:
-            self.subgroup, _ = intra_node_subgroups()
-        assert self.subgroup is not None
-        return self.subgroup
+    def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
+        """Count one iteration when ``bucket`` is the last of a backward pass (as torch's state does).
+
+        :func:`post_localSGD_hook` calls it for every bucket; so does torch's hook, which makes this
+        state usable with either.
+
+        Example::
+
+            >>> state.maybe_increase_iter(bucket)  # doctest: +SKIP
+        """
+        if bucket.is_last():
+            self.iter += 1
+            if self.iter == self.start_localSGD_iter:
+                logger.info("post-local SGD: local SGD from iteration %d on", self.iter)
 
     def state_dict(self) -> dict[str, Any]:
         """The counter and the schedule, as plain Python values (no process groups).
@@ -162,6 +169,37 @@ class PostLocalSGDState:
         )
 
 
+# What torch's PostLocalSGDState has: a state with these works here too (a partial migration).
+_STATE_ATTRIBUTES = (
+    "process_group",
+    "subgroup",
+    "start_localSGD_iter",
+    "post_local_gradient_allreduce",
+    "iter",
+    "maybe_increase_iter",
+)
+
+
+def _check_foreign_state(state: object) -> None:
+    missing = [name for name in _STATE_ATTRIBUTES if not hasattr(state, name)]
+    if missing:
+        kind = type(state)
+        raise ValueError(
+            f"state: post_localSGD_hook expects a dcomm.ddp.PostLocalSGDState or a "
+            f"torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook.PostLocalSGDState, got "
+            f"{kind.__module__}.{kind.__qualname__} (no {', '.join(missing)}); register it as "
+            "ddp_model.register_comm_hook(PostLocalSGDState(...), post_localSGD_hook)"
+        )
+
+
+def _local_group(state: Any) -> dist.ProcessGroup:
+    """``state.subgroup``, building the intra-node subgroups on first use."""
+    if state.subgroup is None:
+        state.subgroup, _ = intra_node_subgroups()
+    assert state.subgroup is not None
+    return state.subgroup
+
+
 def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(tensor)
@@ -174,7 +212,8 @@ def post_localSGD_hook(state: PostLocalSGDState, bucket: dist.GradBucket) -> tor
     Before the switch: divide by the size of ``state.process_group`` and sum over it, bit-identical
     to :func:`~dcomm.ddp.allreduce_hook` and torch's hook. After it: the same within
     ``state.subgroup``, or nothing when ``state.post_local_gradient_allreduce`` is False. The
-    iteration counter advances once per backward, on its last bucket.
+    iteration counter advances once per backward, on its last bucket. torch's
+    ``PostLocalSGDState`` works here too, and this module's state works with torch's hook.
 
     Example::
 
@@ -184,21 +223,15 @@ def post_localSGD_hook(state: PostLocalSGDState, bucket: dist.GradBucket) -> tor
         >>> # each step: loss.backward(); opt.step(); averager.average_parameters(model.parameters())
     """
     if not isinstance(state, PostLocalSGDState):
-        raise ValueError(
-            f"state: post_localSGD_hook expects a PostLocalSGDState, got {type(state).__name__}; "
-            "register it as ddp_model.register_comm_hook(PostLocalSGDState(...), post_localSGD_hook)"
-        )
+        _check_foreign_state(state)
     buffer = bucket.buffer()
     local = state.iter >= state.start_localSGD_iter
     group: dist.ProcessGroup | None = None
     if not local:
         group = resolve_group(state.process_group)
     elif state.post_local_gradient_allreduce:
-        group = state._local_group()
-    if bucket.is_last():
-        state.iter += 1
-        if state.iter == state.start_localSGD_iter:
-            logger.info("post-local SGD: local SGD from iteration %d on", state.iter)
+        group = _local_group(state)
+    state.maybe_increase_iter(bucket)
     if group is None or group.size() == 1:
         return _done(buffer)
     # torch's arithmetic, bit for bit: divide by the group size, then SUM.

@@ -254,8 +254,8 @@ class PowerSGDState:
             setattr(self, key, value)
         self.next_stats_report = next_report
         self.rng = rng
-        for key, value in memory.items():
-            setattr(self, key, value)
+        for key, buffers in memory.items():
+            setattr(self, key, buffers)
         self._layouts = dict(state_dict["layouts"])
 
     def __getstate__(self) -> dict[str, Any]:

@@ -65,14 +65,36 @@ def fsdp_param_groups(module: Any) -> list[Any]:
     )
 
 
-def mp_policy(group: Any) -> Any:
-    """A parameter group's ``mp_policy`` (a frozen ``MixedPrecisionPolicy``)."""
-    return private_member(group, "mp_policy", distribution=_DISTRIBUTION, what="a parameter group's mp_policy")
+def mp_policy_holders(group: Any) -> list[Any]:
+    """What holds a parameter group's mixed-precision policy.
+
+    torch 2.11-2.14 keep it on the group (``FSDPParamGroup.mp_policy``), torch 2.15 on each of
+    its parameters (``FSDPParam.mp_policy``).
+    """
+    if "mp_policy" in dir(group):
+        return [group]
+    params = list(vars(group).get("fsdp_params", ()))
+    if params and all("mp_policy" in dir(param) for param in params):
+        return params
+    raise TorchChanged(
+        f"torch {torch.__version__} changed where FSDP2 keeps the mixed-precision policy: "
+        f"{type(group).__name__} has no mp_policy and its fsdp_params have none either; "
+        f"{_DISTRIBUTION} supports {supported_torch(_DISTRIBUTION)}"
+    )
 
 
-def set_mp_policy(group: Any, policy: Any) -> None:
-    """Give a parameter group ``policy``; recompute its dtypes if FSDP2 already derived them."""
-    mp_policy(group)  # raises where torch no longer keeps it
-    group.mp_policy = policy
-    if "_reduce_dtype" in vars(group):  # lazily initialised already: recompute the dtypes now
+def mp_policy(holder: Any) -> Any:
+    """The ``mp_policy`` (a frozen ``MixedPrecisionPolicy``) of a group or parameter that holds one."""
+    return private_member(holder, "mp_policy", distribution=_DISTRIBUTION, what="FSDP2's mp_policy")
+
+
+def set_mp_policy(holder: Any, policy: Any) -> None:
+    """Give a group or parameter (see :func:`mp_policy_holders`) ``policy``."""
+    mp_policy(holder)  # raises where torch no longer keeps it
+    holder.mp_policy = policy
+
+
+def refresh_mp_dtypes(group: Any) -> None:
+    """Recompute a parameter group's dtypes if FSDP2 already derived them from the old policy."""
+    if "_reduce_dtype" in vars(group):  # lazily initialised already
         _read(group, _INIT_MP_DTYPES)()

@@ -24,7 +24,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,9 +40,16 @@ from dcomm.core import (
     keep_until_stream_done,
     plan_average,
     reduce_scatter_single,
+    warn_once,
 )
 from dcomm.core.torch_private import TorchChanged
-from dcomm.fsdp._torch_private import fsdp_param_groups, mp_policy, set_mp_policy
+from dcomm.fsdp._torch_private import (
+    fsdp_param_groups,
+    mp_policy,
+    mp_policy_holders,
+    refresh_mp_dtypes,
+    set_mp_policy,
+)
 
 __all__ = ["LowPrecisionReduceScatter", "low_precision_mp_policy", "use_low_precision_reduction"]
 
@@ -101,19 +107,20 @@ class LowPrecisionReduceScatter:
     cast to ``dtype`` divided by the pre-divide factor into a new buffer, and the shard written
     back in the output's dtype divided by the post-divide factor. Those buffers are allocated on,
     and tied to, the stream that runs the collective, which is synchronous with respect to that
-    stream, so their memory is never reused while the reduce-scatter is in flight.
+    stream, so their memory is never reused while the reduce-scatter is in flight. Each such call
+    adds 1 to ``fallbacks``; the first one in a process warns once, on rank 0.
 
     Example::
 
         >>> fsdp_module.set_custom_reduce_scatter(LowPrecisionReduceScatter(torch.float16))  # doctest: +SKIP
     """
 
-    __slots__ = ("_plans", "_warned", "dtype")
+    __slots__ = ("_plans", "dtype", "fallbacks")
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
         _check_dtype(dtype)
         self.dtype = dtype
-        self._warned = False
+        self.fallbacks = 0  # reductions that took the slower cast path (public, for monitoring)
         self._plans: dict[tuple[Any, ...], tuple[int, AveragePlan | None, AveragePlan]] = {}
 
     def __repr__(self) -> str:
@@ -183,16 +190,14 @@ class LowPrecisionReduceScatter:
         if fast is not None:  # the fast path: FSDP2 already converted the input to self.dtype
             average_sync(input_tensor, group, fast, output=output_tensor)
             return _CompletedWork() if async_op else None
-        if not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"LowPrecisionReduceScatter({self.dtype}): got a {input_tensor.dtype} reduce-scatter input, "
-                f"so it casts to {self.dtype} itself (correct, one extra pass over the gradients); pass "
-                f"mp_policy=dcomm.fsdp.low_precision_mp_policy({self.dtype}) to fully_shard so that FSDP "
-                "converts the gradients in its copy-in",
-                UserWarning,
-                stacklevel=2,
-            )
+        self.fallbacks += 1
+        warn_once(
+            ("LowPrecisionReduceScatter", self.dtype, input_tensor.dtype),
+            f"LowPrecisionReduceScatter({self.dtype}): got a {input_tensor.dtype} reduce-scatter input, "
+            f"so it casts to {self.dtype} itself (correct, one extra pass over the gradients; counted in "
+            f"its .fallbacks); pass mp_policy=dcomm.fsdp.low_precision_mp_policy({self.dtype}) to "
+            "fully_shard so that FSDP converts the gradients in its copy-in",
+        )
         low_input = cast_for_communication(input_tensor, self.dtype, fallback.pre)
         low_output = torch.empty_like(output_tensor, dtype=self.dtype)
         reduce_scatter_single(low_output, low_input, group, op=fallback.op)
@@ -270,21 +275,27 @@ def _set_reduce_dtype(module: nn.Module, dtype: torch.dtype) -> bool:
     """Make ``module``'s FSDP2 parameter groups reduce in ``dtype``; False (and a warning) where torch differs.
 
     FSDP2 has no public setter for the mixed-precision policy after ``fully_shard``: the
-    parameter groups are reached through :mod:`dcomm.fsdp._torch_private`. Where a torch release
-    changed them the reduce-scatter casts by itself (correct, slower) and the warning says which
-    member changed.
+    parameter groups and their policies (on the group up to torch 2.14, on each parameter in
+    2.15) are reached through :mod:`dcomm.fsdp._torch_private`. Where a torch release changed
+    them the reduce-scatter casts by itself (correct, slower) and the warning says which member
+    changed.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     try:
         for group in fsdp_param_groups(module):
-            policy = mp_policy(group)
-            if not isinstance(policy, MixedPrecisionPolicy):
-                raise TorchChanged(
-                    f"torch {torch.__version__} changed a parameter group's mp_policy: got {type(policy).__name__}"
-                )
-            if not _reduces_in(policy, dtype):
-                set_mp_policy(group, dataclasses.replace(policy, reduce_dtype=dtype))
+            changed = False
+            for holder in mp_policy_holders(group):
+                policy = mp_policy(holder)
+                if not isinstance(policy, MixedPrecisionPolicy):
+                    raise TorchChanged(
+                        f"torch {torch.__version__} changed FSDP2's mp_policy: got {type(policy).__name__}"
+                    )
+                if not _reduces_in(policy, dtype):
+                    set_mp_policy(holder, dataclasses.replace(policy, reduce_dtype=dtype))
+                    changed = True
+            if changed:
+                refresh_mp_dtypes(group)
     except TorchChanged as changed:
         warnings.warn(f"use_low_precision_reduction: {changed}", UserWarning, stacklevel=3)
         return False
@@ -321,7 +332,7 @@ def use_low_precision_reduction(module: nn.Module, dtype: torch.dtype = torch.bf
     """
     comm = LowPrecisionReduceScatter(dtype)
     fsdp_module = _fsdp_module_class()
-    targets = [m for m in module.modules() if isinstance(m, fsdp_module)]
+    targets: list[Any] = [m for m in module.modules() if isinstance(m, fsdp_module)]
     if not targets:
         raise ValueError(
             f"module: no fully_shard module in {type(module).__name__}; call "

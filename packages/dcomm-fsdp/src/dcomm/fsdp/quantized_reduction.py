@@ -134,7 +134,7 @@ def use_quantized_reduction(module: nn.Module, dtype: str = "int8", block_size: 
     """
     comm = QuantizedReduceScatter(dtype, block_size)
     fsdp_module = _fsdp_module_class()
-    targets = [m for m in module.modules() if isinstance(m, fsdp_module)]
+    targets: list[Any] = [m for m in module.modules() if isinstance(m, fsdp_module)]
     if not targets:
         raise ValueError(
             f"module: no fully_shard module in {type(module).__name__}; call "

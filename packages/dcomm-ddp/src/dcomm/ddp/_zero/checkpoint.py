@@ -32,7 +32,7 @@ _SCALAR_KEYS = ("step", "eta", "mu")
 def install(zero: ZeroRedundancyOptimizer, shards: list[Shard]) -> None:
     """Make ``zero.state_dict()`` / ``zero.load_state_dict()`` speak torch's format over ``shards``."""
     zero.state_dict = lambda: state_dict(zero, shards)  # type: ignore[method-assign]
-    zero.load_state_dict = lambda saved: load_state_dict(zero, shards, saved)  # type: ignore[method-assign]
+    zero.load_state_dict = lambda state_dict: load_state_dict(zero, shards, state_dict)  # type: ignore[method-assign]
 
 
 def _joined(shard: Shard, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -48,7 +48,7 @@ def _name(hook: object) -> str:
     return getattr(hook, "__name__", type(hook).__name__)
 
 
-def _described(hook: object) -> tuple[object, str]:
+def _described(hook: Any) -> tuple[object, str]:
     """The function behind ``functools.partial`` / ``functools.wraps`` layers, and how to name it."""
     inner, name = hook, _name(hook)
     while True:
@@ -184,7 +184,7 @@ def check_state(state: object, zero: ZeroRedundancyOptimizer) -> None:
     if state is None or isinstance(state, dist.ProcessGroup):
         group = state
     elif hasattr(state, "process_group"):  # DefaultState, LowPrecisionState, torch's, PowerSGDState
-        group = state.process_group  # type: ignore[attr-defined]
+        group = state.process_group
     else:
         return  # a user hook's state that names no group: nothing to compare
     theirs, ours = _ranks(resolve_group(group)), _ranks(zero.process_group)

@@ -107,6 +107,7 @@ class ParameterDriver(Driver):
             if gather:
                 start = rank * piece
             packed = start
+            assert flat is not None  # allocated above: per_rank is not empty
             for p, _ in members:
                 view = flat[packed : packed + p.numel()].view_as(p)
                 view.copy_(p.detach())
@@ -151,7 +152,7 @@ class ParameterDriver(Driver):
         mine = plan.mine
         if mine is None:
             return []
-        if grad.dtype != plan.flat.dtype:
+        if plan.flat is not None and grad.dtype != plan.flat.dtype:
             raise RuntimeError(
                 f"hook: the wrapped hook returned a {grad.dtype} bucket for {plan.flat.dtype} "
                 "parameters; wrap a hook that casts its result back to the bucket's dtype"

@@ -1,0 +1,86 @@
+"""dcomm's logging: rank 0 speaks for the job, other ranks only when asked; fallbacks warn once.
+
+Every rank of a job runs the same code, so a library log line would otherwise appear once per
+rank. A logger from :func:`get_logger` passes records only on rank 0 (or when no process group
+exists); :func:`log_all_ranks` is for the messages that differ between ranks, prefixed with the
+rank. :func:`warn_once` is for an algorithm that falls back to a slower path: one warning per
+process and reason, on rank 0, while the algorithm counts every fallback in a public counter.
+
+Example::
+
+    >>> import logging
+    >>> from dcomm.core import get_logger, log_all_ranks
+    >>> logger = get_logger("dcomm.example")
+    >>> logger.info("local SGD starts after %d iterations", 100)  # rank 0 only
+    >>> log_all_ranks(logger, logging.INFO, "my node group: %s", [0, 1])  # "[rank 0] my node group: ..."
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Hashable
+
+import torch.distributed as dist
+
+__all__ = ["get_logger", "log_all_ranks", "warn_once"]
+
+_ALL_RANKS = "dcomm_all_ranks"  # LogRecord attribute that lets a record through on every rank
+_warned: set[Hashable] = set()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class _RankZeroFilter(logging.Filter):
+    """Passes rank 0's records, and every rank's records made by :func:`log_all_ranks`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return bool(getattr(record, _ALL_RANKS, False)) or _rank() == 0
+
+
+def get_logger(name: str) -> logging.Logger:
+    """``logging.getLogger(name)``, passing records on rank 0 only (every rank before init).
+
+    Handlers, levels and propagation are the application's, as for any library logger.
+
+    Example::
+
+        >>> logger = get_logger(__name__)
+        >>> logger.info("post-local SGD: local SGD from iteration %d on", 100)  # doctest: +SKIP
+    """
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, _RankZeroFilter) for f in logger.filters):
+        logger.addFilter(_RankZeroFilter())
+    return logger
+
+
+def log_all_ranks(logger: logging.Logger, level: int, msg: str, *args: object) -> None:
+    """Log ``msg % args`` on every rank, prefixed with ``[rank N]`` (for per-rank facts).
+
+    Example::
+
+        >>> log_all_ranks(get_logger(__name__), logging.INFO, "intra-node group %s", [0, 1])  # doctest: +SKIP
+    """
+    logger.log(level, "[rank %d] " + msg, _rank(), *args, extra={_ALL_RANKS: True}, stacklevel=2)
+
+
+def warn_once(key: Hashable, message: str, category: type[Warning] = UserWarning) -> bool:
+    """Warn with ``message`` the first time ``key`` is seen in this process, on rank 0 only.
+
+    Returns whether it warned. Meant for an algorithm that falls back to a slower path: the
+    warning says why and what to change; the algorithm also counts each fallback publicly.
+
+    Example::
+
+        >>> warn_once(("example", "float32"), "casting by itself: pass a low-precision policy")  # doctest: +SKIP
+        True
+    """
+    if key in _warned:
+        return False
+    _warned.add(key)
+    if _rank() != 0:
+        return False
+    warnings.warn(message, category, stacklevel=3)
+    return True

@@ -211,7 +211,7 @@ def _average_in_place(
     # pre/post division (no pre-multiplied sums in a coalesced allreduce).
     op, pre, post = plan_average(group, tensors[0].dtype, tensors[0].device, nccl_premul=False)
     options = dist.AllreduceCoalescedOptions()
-    options.reduceOp = op  # type: ignore[assignment]  # torch's stub: ReduceOp, the value: RedOpType
+    options.reduceOp = op
     if hasattr(options, "asyncOp"):
         options.asyncOp = True
     launched: list[tuple[dist.Work, list[torch.Tensor]]] = []

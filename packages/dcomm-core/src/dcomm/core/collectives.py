@@ -76,7 +76,7 @@ def member_size(group: dist.ProcessGroup | None, name: str, fix: str) -> int:
         ValueError: process_group: this rank (1) is not a member of the group; build it on rank 0 only
     """
     group = resolve_group(group)
-    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:  # type: ignore[comparison-overlap]
         raise ValueError(f"{name}: this rank ({dist.get_rank()}) is not a member of the group; {fix}")
     return dist.get_world_size(group)
 

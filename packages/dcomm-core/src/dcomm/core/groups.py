@@ -183,7 +183,7 @@ def node_layout(group: dist.ProcessGroup | None = None, *, host_id: str | None =
     if problem is not None:
         raise ValueError(problem)
     size = entries[0][2]
-    nodes = []
+    nodes: list[list[int]] = []
     for members in _hosts(entries).values():
         step = len(members) if size is None else int(size)
         nodes.extend(members[start : start + step] for start in range(0, len(members), step))

@@ -318,11 +318,13 @@ def _fallback(rank: int, world: int) -> list[int]:
                 torch.testing.assert_close(flat_params(model), flat_params(ref_model), **RS_TOL)
         said = [str(w.message) for w in caught if "fallback_count" in str(w.message)]
         if backwards:
-            # Settled buckets that are not the planned ones: counted from step 2 on, warned once.
+            # Settled buckets that are not the planned ones: counted from step 2 on (every rank),
+            # warned once, by rank 0 only.
             assert fallback_count(hook) >= 3, (builder, fallback_count(hook))
-            assert len(said) == 1, said
-            assert "reduce_scatter=True" in said[0], said
-            assert "allreduced" in said[0], said
+            assert len(said) == (1 if rank == 0 else 0), said
+            if rank == 0:
+                assert "reduce_scatter=True" in said[0], said
+                assert "allreduced" in said[0], said
         else:
             assert fallback_count(hook) == 0, builder
             assert said == [], (builder, said)

@@ -26,7 +26,6 @@ Example::
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import dcomm.ddp._torch_private as private
-from dcomm.core import reduce_scatter_future
+from dcomm.core import reduce_scatter_future, warn_once
 from dcomm.ddp._zero import checkpoint
 from dcomm.ddp._zero.driver import Driver, Setup, all_gather, all_gathers, averaged_bucket, optimizer_class
 from dcomm.ddp._zero.layout import Shard, pack_shards
@@ -159,14 +158,14 @@ class ShardedDriver(Driver):
         if private.has_rebuilt_buckets(self.ddp):
             self.fallbacks += 1
             if self.fallbacks == 1:
-                warnings.warn(
+                warn_once(
+                    ("zero overlap fallback", id(self)),
                     f"{self.name}: DDP bucket {bucket.index()} ({len(plan.key)} parameters) is not one "
                     "of the buckets planned from bucket_cap_mb (its gradients become ready in another "
                     "order than the reverse of the parameters'), so it is allreduced by the wrapped hook "
                     "instead of reduce-scattered: same result, more traffic; fallback_count(hook) "
                     "counts such buckets",
                     RuntimeWarning,
-                    stacklevel=2,
                 )
         ready = []
         for shard, *_ in plan.members:

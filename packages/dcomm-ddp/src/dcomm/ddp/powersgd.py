@@ -31,7 +31,7 @@ Example::
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -409,30 +409,28 @@ def _factor_views(
     return ps, qs
 
 
-def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket with per-matrix PowerSGD compression (torch's ``powerSGD_hook``).
-
-    Before ``state.start_powerSGD_iter`` it averages with a plain allreduce. Then each gradient
-    matrix worth compressing (see ``min_compression_rate``) travels as its rank-r factors; the
-    rest (biases, small matrices) is allreduced in one flat tensor. Three allreduces per bucket,
-    one after the other.
-
-    Example::
-
-        >>> state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=10)  # doctest: +SKIP
-        >>> ddp_model.register_comm_hook(state, powerSGD_hook)  # doctest: +SKIP
-    """
-    state = _check_state(state, "powerSGD_hook")
-    warm_up = _warm_up(state, bucket)
+def _run(
+    hook: str,
+    compress: Callable[[PowerSGDState, dist.GradBucket], torch.futures.Future[torch.Tensor]],
+    state: object,
+    bucket: dist.GradBucket,
+) -> torch.futures.Future[torch.Tensor]:
+    """Both hooks: check ``state``, average plainly before ``start_powerSGD_iter``, then ``compress``."""
+    checked = _check_state(state, hook)
+    warm_up = _warm_up(checked, bucket)
     if warm_up is not None:
         return warm_up
+    return compress(checked, bucket)
+
+
+def _compress_matrices(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """:func:`powerSGD_hook` from ``start_powerSGD_iter`` on."""
     # Callbacks name the group through the state, never hold it: a callback's closure can be freed
     # on a gloo worker thread, which must not drop the last reference to the group (it would
     # join itself).
     group = state.process_group
     world = resolve_group(group).size()
-    buffer = bucket.buffer()
-    index = bucket.index()
+    buffer, index = bucket.buffer(), bucket.index()
     gradients = bucket.gradients()
     state._check_layout(index, (buffer.numel(), tuple(tuple(g.shape) for g in gradients)))
     before = state._add_error(index, buffer)
@@ -495,6 +493,22 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     return state._chain.run(launch_rest, finish)
 
 
+def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket with per-matrix PowerSGD compression (torch's ``powerSGD_hook``).
+
+    Before ``state.start_powerSGD_iter`` it averages with a plain allreduce. Then each gradient
+    matrix worth compressing (see ``min_compression_rate``) travels as its rank-r factors; the
+    rest (biases, small matrices) is allreduced in one flat tensor. Three allreduces per bucket,
+    one after the other.
+
+    Example::
+
+        >>> state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=10)  # doctest: +SKIP
+        >>> ddp_model.register_comm_hook(state, powerSGD_hook)  # doctest: +SKIP
+    """
+    return _run("powerSGD_hook", _compress_matrices, state, bucket)
+
+
 def _finish(
     state: PowerSGDState, index: int, result: torch.Tensor, before: torch.Tensor | None, *used: torch.Tensor
 ) -> None:
@@ -513,29 +527,12 @@ def _finish(
         state.q_memory_dict.clear()
 
 
-def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket with PowerSGD applied to the whole bucket as one square matrix.
-
-    torch's ``batched_powerSGD_hook``: the flat bucket is zero-padded to a square of side
-    ``ceil(sqrt(numel))`` and compressed at once (two allreduces per bucket). Cheaper than
-    :func:`powerSGD_hook` and less accurate; ``min_compression_rate`` and
-    ``batch_tensors_with_same_shape`` do not apply. Unlike torch's it never resizes the bucket
-    and needs no ``cuda.synchronize``.
-
-    Example::
-
-        >>> state = PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=10)  # doctest: +SKIP
-        >>> ddp_model.register_comm_hook(state, batched_powerSGD_hook)  # doctest: +SKIP
-    """
-    state = _check_state(state, "batched_powerSGD_hook")
-    warm_up = _warm_up(state, bucket)
-    if warm_up is not None:
-        return warm_up
-    group = state.process_group  # not held by the callbacks (see powerSGD_hook)
-    world = resolve_group(group).size()
-    buffer = bucket.buffer()
-    index = bucket.index()
+def _compress_bucket(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """:func:`batched_powerSGD_hook` from ``start_powerSGD_iter`` on."""
+    buffer, index = bucket.buffer(), bucket.index()
     numel = buffer.numel()
+    group = state.process_group  # not held by the callbacks (see _compress_matrices)
+    world = resolve_group(group).size()
     side = math.ceil(math.sqrt(numel))
     rank = state.matrix_approximation_rank
     state.total_numel_before_compression += numel
@@ -576,3 +573,20 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torc
         return buffer
 
     return state._chain.run(launch_p, finish)
+
+
+def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket with PowerSGD applied to the whole bucket as one square matrix.
+
+    torch's ``batched_powerSGD_hook``: the flat bucket is zero-padded to a square of side
+    ``ceil(sqrt(numel))`` and compressed at once (two allreduces per bucket). Cheaper than
+    :func:`powerSGD_hook` and less accurate; ``min_compression_rate`` and
+    ``batch_tensors_with_same_shape`` do not apply. Unlike torch's it never resizes the bucket
+    and needs no ``cuda.synchronize``.
+
+    Example::
+
+        >>> state = PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=10)  # doctest: +SKIP
+        >>> ddp_model.register_comm_hook(state, batched_powerSGD_hook)  # doctest: +SKIP
+    """
+    return _run("batched_powerSGD_hook", _compress_bucket, state, bucket)

@@ -213,7 +213,7 @@ def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
 
 
 def _quantized_average(fmt: str, state: QuantizedState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    # Callbacks name the group through the state, never hold it (see powersgd.powerSGD_hook).
+    # Callbacks name the group through the state, never hold it (see powersgd._compress_matrices).
     group = state.process_group
     world = resolve_group(group).size()
     buffer = bucket.buffer()

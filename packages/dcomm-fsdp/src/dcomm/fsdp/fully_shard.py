@@ -267,6 +267,29 @@ def _check_not_hsdp(module: nn.Module) -> None:
             )
 
 
+def _install_reduce_scatter(module: nn.Module, comm: Any, hint: str = "") -> list[Any]:
+    """Give every ``fully_shard`` module in ``module`` the reduce-scatter ``comm``; return those modules.
+
+    Each one also gets a gradient divide factor of 1 and SUM-only reductions, since ``comm``
+    averages by itself. ``hint`` ends the error raised when ``module`` holds no ``fully_shard``
+    module. Raises as :func:`use_low_precision_reduction` and
+    :func:`~dcomm.fsdp.use_quantized_reduction` document.
+    """
+    fsdp_module = _fsdp_module_class()
+    targets: list[Any] = [m for m in module.modules() if isinstance(m, fsdp_module)]
+    if not targets:
+        raise ValueError(
+            f"module: no fully_shard module in {type(module).__name__}; call "
+            f"torch.distributed.fsdp.fully_shard(module) first{hint}"
+        )
+    _check_not_hsdp(module)
+    for target in targets:
+        target.set_custom_reduce_scatter(comm)
+        target.set_gradient_divide_factor(1.0)
+        target.set_force_sum_reduction_for_comms(True)
+    return targets
+
+
 def _reduces_in(policy: Any, dtype: torch.dtype) -> bool:
     """Whether FSDP2's reduce dtype under ``policy`` is ``dtype`` whatever the parameter dtype."""
     return policy.reduce_dtype == dtype or (policy.reduce_dtype is None and policy.param_dtype == dtype)
@@ -332,18 +355,12 @@ def use_low_precision_reduction(module: nn.Module, dtype: torch.dtype = torch.bf
         LowPrecisionReduceScatter(dtype=torch.float16)
     """
     comm = LowPrecisionReduceScatter(dtype)
-    fsdp_module = _fsdp_module_class()
-    targets: list[Any] = [m for m in module.modules() if isinstance(m, fsdp_module)]
-    if not targets:
-        raise ValueError(
-            f"module: no fully_shard module in {type(module).__name__}; call "
-            "torch.distributed.fsdp.fully_shard(module) first (for FullyShardedDataParallel use "
-            "register_comm_hook with dcomm.fsdp.fp16_compress_hook or bf16_compress_hook)"
-        )
-    _check_not_hsdp(module)
+    targets = _install_reduce_scatter(
+        module,
+        comm,
+        " (for FullyShardedDataParallel use register_comm_hook with dcomm.fsdp.fp16_compress_hook or "
+        "bf16_compress_hook)",
+    )
     for target in targets:
-        target.set_custom_reduce_scatter(comm)
-        target.set_gradient_divide_factor(1.0)
-        target.set_force_sum_reduction_for_comms(True)
         _set_reduce_dtype(target, dtype)
     return comm

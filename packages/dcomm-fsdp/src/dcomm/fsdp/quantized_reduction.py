@@ -27,7 +27,7 @@ from torch import nn
 
 from dcomm.core import keep_until_stream_done
 from dcomm.core.quantization import dequantize_rows, quantize_rows
-from dcomm.fsdp.fully_shard import LowPrecisionReduceScatter, _check_not_hsdp, _CompletedWork, _fsdp_module_class
+from dcomm.fsdp.fully_shard import LowPrecisionReduceScatter, _CompletedWork, _install_reduce_scatter
 
 __all__ = ["QUANTIZED_REDUCTION_DTYPES", "QuantizedReduceScatter", "use_quantized_reduction"]
 
@@ -133,16 +133,5 @@ def use_quantized_reduction(module: nn.Module, dtype: str = "int8", block_size: 
         QuantizedReduceScatter(dtype='fp8', block_size=256)
     """
     comm = QuantizedReduceScatter(dtype, block_size)
-    fsdp_module = _fsdp_module_class()
-    targets: list[Any] = [m for m in module.modules() if isinstance(m, fsdp_module)]
-    if not targets:
-        raise ValueError(
-            f"module: no fully_shard module in {type(module).__name__}; call "
-            "torch.distributed.fsdp.fully_shard(module) first"
-        )
-    _check_not_hsdp(module)
-    for target in targets:
-        target.set_custom_reduce_scatter(comm)
-        target.set_gradient_divide_factor(1.0)
-        target.set_force_sum_reduction_for_comms(True)
+    _install_reduce_scatter(module, comm)
     return comm

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dcomm.core import QUANTIZED_FORMATS, dequantize, payload_bytes, quantize
-from dcomm.core.quantization import code_bytes, dequantize_rows, max_code, num_blocks, quantize_rows
+from dcomm.core.quantization import code_bytes, dequantize_rows, num_blocks, quantize_rows
+from dcomm_testing import block_scales, quantization_half_step
 
 BLOCK = 64
 
@@ -18,22 +19,9 @@ def sample(numel: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> tor
     return (torch.randn(numel, generator=gen, dtype=torch.float64) * magnitudes).to(dtype)
 
 
-def exact_scales(x: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:
-    """Per-element float64 scale: the block's absolute maximum over the format's largest code."""
-    flat = x.double().reshape(-1)
-    padded = torch.zeros(num_blocks(flat.numel(), block_size) * block_size, dtype=torch.float64)
-    padded[: flat.numel()] = flat
-    scale = padded.view(-1, block_size).abs().amax(1) / max_code(fmt)
-    return scale.repeat_interleave(block_size)[: flat.numel()]
-
-
 def error_bound(x: torch.Tensor, fmt: str, block_size: int) -> torch.Tensor:
     """Round-to-nearest bound: half a code step (int) or half an e4m3 ulp (fp8), plus float32 slack."""
-    scale = exact_scales(x, fmt, block_size)
-    ref = x.double().reshape(-1).abs()
-    # fp8: 3 mantissa bits, so half an ulp is 2^-4 of the value; subnormals have a fixed step 2^-9.
-    bound = torch.maximum(ref * 2.0**-4, scale * 2.0**-10) if fmt == "fp8" else scale / 2
-    return bound * (1 + 1e-5) + ref * 2.0**-22
+    return quantization_half_step(x, fmt, block_size) * (1 + 1e-5) + x.double().reshape(-1).abs() * 2.0**-22
 
 
 @pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
@@ -47,7 +35,7 @@ def test_round_trip_within_bound(fmt: str, numel: int) -> None:
     err = (y.double() - x.double()).abs()
     bound = error_bound(x, fmt, BLOCK)
     assert (err <= bound).all(), f"worst excess {(err - bound).max().item()}"
-    torch.testing.assert_close(scales.double(), exact_scales(x, fmt, BLOCK)[::BLOCK], rtol=1e-6, atol=0)
+    torch.testing.assert_close(scales.double(), block_scales(x, fmt, BLOCK)[::BLOCK], rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import dcomm.ddp
 from dcomm.core.quantization import max_code
 from dcomm.ddp import QuantizedState, fp8_compress_hook, int8_compress_hook, quantized_allreduce_bytes
-from dcomm_testing import run_ranks
+from dcomm_testing import quantization_half_step, run_ranks
 
 TIMEOUT = 240.0
 HOOKS = {"int8": int8_compress_hook, "fp8": fp8_compress_hook}
@@ -51,16 +51,6 @@ def grad(rank: int, step: int, numel: int, dtype: torch.dtype = torch.float32) -
     return (torch.randn(numel, generator=gen, dtype=torch.float64) * scale * (rank + 1)).to(dtype)
 
 
-def half_step(values: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Per value: the rounding bound of block-quantizing ``values`` (blocks of BLOCK), float64."""
-    n = values.numel()
-    padded = torch.nn.functional.pad(values.double(), (0, -n % BLOCK)).view(-1, BLOCK)
-    scale = (padded.abs().amax(1) / max_code(fmt)).repeat_interleave(BLOCK)[:n]
-    if fmt == "fp8":
-        return torch.maximum(values.double().abs() * 2.0**-4, scale * 2.0**-10)
-    return scale / 2
-
-
 def _bounds_and_bytes(rank: int, world: int) -> None:
     numel = 1000  # not a multiple of world * BLOCK: the chunks are padded
     grads = [grad(r, 0, numel) for r in range(world)]
@@ -73,8 +63,8 @@ def _bounds_and_bytes(rank: int, world: int) -> None:
             assert out is buffer
             # The ranks' roundings, averaged, plus the average's own re-quantization (bounded
             # through the exact mean plus the first stage's error), plus the bucket's own rounding.
-            first = torch.stack([half_step(g.to(dtype), fmt) for g in grads]).mean(0)
-            second = half_step(exact.abs() + first, fmt)
+            first = torch.stack([quantization_half_step(g.to(dtype), fmt, BLOCK) for g in grads]).mean(0)
+            second = quantization_half_step(exact.abs() + first, fmt, BLOCK)
             own = exact.abs() * (torch.finfo(dtype).eps if dtype != torch.float64 else 0)
             err = (out.double() - exact).abs()
             bound = first + second + own + 1e-6 * exact.abs()
@@ -245,8 +235,8 @@ def _nccl(rank: int, world: int) -> None:
         gpu_state = QuantizedState(None, error_feedback=False, block_size=BLOCK)
         out = hook(gpu_state, Bucket(grads[rank].cuda())).wait()
         exact = torch.stack([g.double() for g in grads]).mean(0)
-        first = torch.stack([half_step(g, fmt) for g in grads]).mean(0)
-        bound = first + half_step(exact.abs() + first, fmt) + 1e-6 * exact.abs()
+        first = torch.stack([quantization_half_step(g, fmt, BLOCK) for g in grads]).mean(0)
+        bound = first + quantization_half_step(exact.abs() + first, fmt, BLOCK) + 1e-6 * exact.abs()
         assert ((out.cpu().double() - exact).abs() <= bound).all(), fmt
         assert gpu_state.bytes_sent == quantized_allreduce_bytes(numel, world, fmt, BLOCK)
         assert out.is_cuda

@@ -16,9 +16,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from dcomm.core.quantization import max_code
 from dcomm.fsdp import QuantizedReduceScatter, use_quantized_reduction
-from dcomm_testing import run_ranks
+from dcomm_testing import quantization_half_step, run_ranks
 
 TIMEOUT = 240.0
 BLOCK = 16
@@ -30,16 +29,6 @@ def chunk_data(rank: int, numel: int) -> torch.Tensor:
     return (torch.randn(numel, generator=gen, dtype=torch.float64) * scale * (rank + 1)).float()
 
 
-def half_step(values: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Per value: the rounding bound of block-quantizing ``values`` in blocks of BLOCK (float64)."""
-    n = values.numel()
-    padded = torch.nn.functional.pad(values.double(), (0, -n % BLOCK)).view(-1, BLOCK)
-    scale = (padded.abs().amax(1) / max_code(fmt)).repeat_interleave(BLOCK)[:n]
-    if fmt == "fp8":
-        return torch.maximum(values.double().abs() * 2.0**-4, scale * 2.0**-10)
-    return scale / 2
-
-
 def _reduce_scatter(rank: int, world: int) -> None:
     shard = 37  # not a whole number of blocks: each chunk is padded
     inputs = [chunk_data(r, shard * world) for r in range(world)]
@@ -49,7 +38,7 @@ def _reduce_scatter(rank: int, world: int) -> None:
         out = torch.empty(shard)
         assert comm(out, inputs[rank].clone(), dist.group.WORLD) is None
         mine = slice(rank * shard, (rank + 1) * shard)
-        bound = torch.stack([half_step(x.view(world, shard)[rank], fmt) for x in inputs]).mean(0)
+        bound = torch.stack([quantization_half_step(x.view(world, shard)[rank], fmt, BLOCK) for x in inputs]).mean(0)
         err = (out.double() - exact).abs()
         assert (err <= bound * (1 + 1e-5) + 1e-7).all(), (fmt, (err - bound).max().item())
         assert (err > 0).any(), "no rounding at all: was anything quantized?"

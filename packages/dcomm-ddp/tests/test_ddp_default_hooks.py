@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dcomm.ddp
 from dcomm.ddp import PostLocalSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook
-from dcomm_testing import run_ranks
+from dcomm_testing import assert_same_on_ranks, run_ranks
 
 STEPS = 4
 # Relative error allowed in the parameter changes: the casts, divisions and world - 1 additions of
@@ -91,18 +91,11 @@ def assert_close(ours: list[torch.Tensor], ref: list[torch.Tensor], rtol: float,
         assert error <= rtol, f"{what}: parameter {i} off by {error:.2e} of its change, more than {rtol}"
 
 
-def assert_same_on_ranks(params: list[torch.Tensor], group: dist.ProcessGroup | None, what: str) -> None:
-    for p in params:
-        gathered = [torch.empty_like(p) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, p, group=group)
-        assert all(torch.equal(g, gathered[0]) for g in gathered), f"{what}: replicas differ"
-
-
 def _parity(rank: int, world: int) -> None:
     fp32 = train(torch_hooks.allreduce_hook, None)
     ours = train(allreduce_hook, None)
     assert_close(ours, fp32, 0, "allreduce_hook vs torch")
-    assert_same_on_ranks(ours, None, "allreduce_hook")
+    assert_same_on_ranks(ours, "allreduce_hook")
 
     cases = [
         ("fp16", fp16_compress_hook, torch_hooks.fp16_compress_hook, FP16_RTOL),
@@ -112,7 +105,7 @@ def _parity(rank: int, world: int) -> None:
         ours = train(hook, None)
         assert_close(ours, train(torch_hook, None), rtol, f"{name} vs torch's")
         assert_close(ours, fp32, rtol, f"{name} vs fp32 allreduce")
-        assert_same_on_ranks(ours, None, name)
+        assert_same_on_ranks(ours, name)
         # Two DDP models in one backward: their buckets are in flight at the same time, so
         # each must have its own low-precision buffer.
         pair = train(hook, None, models=2)
@@ -135,7 +128,7 @@ def _parity(rank: int, world: int) -> None:
         ]:
             ours = train(hook, mine)
             assert_close(ours, train(torch_hook, mine), rtol, f"{hook.__name__} on a subgroup")
-            assert_same_on_ranks(ours, mine, "subgroup")
+            assert_same_on_ranks(ours, "subgroup", mine)
             other = [torch.empty_like(ours[0]) for _ in range(world)]
             dist.all_gather(other, ours[0])
             assert not torch.equal(other[0], other[2]), "ranks of different subgroups agree"
@@ -235,7 +228,7 @@ def _reducer_and_python_callers(rank: int, world: int) -> None:
     # Both ways give the same gradients, bit for bit (the same bf16 sum cast to fp32).
     for a, b in zip(grads["reducer"], grads["python"], strict=True):
         assert torch.equal(a, b), (a - b).abs().max()
-    assert_same_on_ranks(grads["reducer"], None, "bf16 gradients")
+    assert_same_on_ranks(grads["reducer"], "bf16 gradients")
 
 
 @pytest.mark.parametrize("world", [2, 3])

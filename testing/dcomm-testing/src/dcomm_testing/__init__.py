@@ -6,7 +6,7 @@ Example::
     >>> run_ranks(worker, 2)  # doctest: +SKIP
 """
 
-from dcomm_testing.helpers import assert_close, cpu_record_stream_is_noop, seeded_batch
+from dcomm_testing.helpers import assert_close, assert_same_on_ranks, cpu_record_stream_is_noop, seeded_batch
 from dcomm_testing.implementations import IMPLEMENTATIONS, implementation
 from dcomm_testing.quantization_bounds import block_scales, quantization_half_step
 from dcomm_testing.ranks import RankFailure, run_ranks
@@ -15,6 +15,7 @@ __all__ = [
     "IMPLEMENTATIONS",
     "RankFailure",
     "assert_close",
+    "assert_same_on_ranks",
     "block_scales",
     "cpu_record_stream_is_noop",
     "implementation",

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["assert_close", "cpu_record_stream_is_noop", "seeded_batch"]
 
@@ -50,6 +51,19 @@ def assert_close(ours: Sequence[torch.Tensor], ref: Sequence[torch.Tensor], tol:
         torch.testing.assert_close(
             a.double(), b, rtol=tol, atol=tol * b.abs().max().item(), msg=lambda m, i=index: f"{what}[{i}]: {m}"
         )
+
+
+def assert_same_on_ranks(tensors: Sequence[torch.Tensor], what: str, group: dist.ProcessGroup | None = None) -> None:
+    """Every rank of ``group`` (WORLD when None) holds bit-identical ``tensors`` (a collective).
+
+    Example::
+
+        >>> assert_same_on_ranks(list(model.parameters()), "after averaging")  # doctest: +SKIP
+    """
+    for tensor in tensors:
+        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, tensor, group=group)
+        assert all(torch.equal(g, gathered[0]) for g in gathered), f"{what}: replicas differ"
 
 
 def cpu_record_stream_is_noop() -> contextlib.AbstractContextManager[None]:

@@ -34,9 +34,13 @@ def forced(
     calls: list[list[torch.Tensor]] | None = None,
     launch_max_tensors: int = impl._LAUNCH_MAX_TENSORS,
     bucket_cap_mb: float = impl.DEFAULT_BUCKET_CAP_MB,
+    pack_max_bytes: int = 0,
 ) -> None:
-    """average_parameters with the in-place path forced; ``calls`` gets the tensors of each in-place call."""
-    paths = impl._Paths(True, launch_max_tensors, None if calls is None else calls.append)
+    """average_parameters with the in-place path forced; ``calls`` gets the tensors of each in-place call.
+
+    Small parameters are not packed unless ``pack_max_bytes`` says so (see test_small_ones_packed).
+    """
+    paths = impl._Paths(True, launch_max_tensors, None if calls is None else calls.append, pack_max_bytes)
     impl._average_parameters(params, group, bucket_cap_mb, paths)
 
 
@@ -93,7 +97,7 @@ def _in_place_checks(rank: int, world: int) -> None:
     params = make_params(rank, [((6,), torch.float32, False)] * 4, seed=9)
     before = [p.data_ptr() for p in params]
     with torch.no_grad():
-        impl._average_in_place(list(params), dist.group.WORLD)
+        impl._average_in_place(list(params), dist.group.WORLD, pack_max_bytes=0)
     assert [p.data_ptr() for p in params] == before
     assert_averaged(params, exact_mean(everyone, [((6,), torch.float32, False)] * 4, seed=9))
 
@@ -188,6 +192,59 @@ def _launches_checks(rank: int, world: int) -> None:
 
 def test_launches() -> None:
     run_ranks(_launches_checks, 2)
+
+
+# Small (<= 64 KiB) parameters of every in-place dtype among large ones, in mixed order.
+PACKING = [
+    ((64, 300), torch.float32, False),  # 75 KiB: large
+    ((7,), torch.float32, False),
+    ((3, 5), torch.float32, False),
+    ((129, 128), torch.float32, False),  # 64.5 KiB: large
+    ((11,), torch.float32, False),
+    ((9,), torch.bfloat16, False),
+    ((2, 3), torch.bfloat16, False),
+    ((5,), torch.float16, False),
+    ((40000,), torch.float16, False),  # 78 KiB: large
+    ((6,), torch.float16, False),
+]
+
+
+def _packing_checks(rank: int, world: int) -> None:
+    everyone = list(range(world))
+    group = dist.group.WORLD
+    real = type(group).allreduce_coalesced
+    launches: list[list[int]] = []
+
+    def counting(self: Any, tensors: list[torch.Tensor], options: Any) -> Any:
+        launches.append([t.numel() for t in tensors])
+        return real(self, tensors, options)
+
+    # (cap, the fp32 launch, the packed bytes of fp32, bf16 and fp16): the packed small ones go
+    # first, as one tensor.
+    cases = [
+        (impl.PACK_MAX_BYTES, [7 + 15 + 11, 64 * 300, 129 * 128], [(7 + 15 + 11) * 4, (9 + 6) * 2, (5 + 6) * 2]),
+        (100, [7 + 15, 64 * 300, 129 * 128, 11], [(7 + 15) * 4, (9 + 6) * 2, (5 + 6) * 2]),  # 11 floats don't fit
+        (4, [64 * 300, 7, 15, 129 * 128, 11], [0, 0, 0]),  # nothing fits: nothing packed or allocated
+    ]
+    for cap, fp32_launch, peak in cases:
+        params = make_params(rank, PACKING, seed=21)
+        before = _pointers(params)
+        launches.clear()
+        type(group).allreduce_coalesced = counting  # type: ignore[method-assign]
+        try:
+            with AllocationTracker() as mem:
+                forced(params, None, pack_max_bytes=cap)
+        finally:
+            type(group).allreduce_coalesced = real  # type: ignore[method-assign]
+        assert _pointers(params) == before, "a parameter moved"
+        assert_averaged(params, exact_mean(everyone, PACKING, seed=21))
+        assert launches[0] == fp32_launch
+        # Extra memory: the packed buffers only (gloo may hold one until its next collective).
+        assert peak[0] <= mem.peak <= sum(peak), (cap, mem.peak)
+
+
+def test_small_ones_packed() -> None:
+    run_ranks(_packing_checks, 3)
 
 
 def test_merge_adjacent() -> None:

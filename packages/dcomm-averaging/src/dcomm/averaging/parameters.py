@@ -4,11 +4,14 @@
 ever building a flat copy of the model. Parameters are grouped by ``(device, dtype)``; each group
 takes one of two paths:
 
-* **In place, zero extra memory** -- GPU tensors on an NCCL group: every parameter is allreduced
-  in its own storage (fp32/fp64/bf16 with NCCL's ``AVG``; fp16 divided in place with
+* **In place, at most 1 MiB extra** -- GPU tensors on an NCCL group: every parameter is
+  allreduced in its own storage (fp32/fp64/bf16 with NCCL's ``AVG``; fp16 divided in place with
   ``torch._foreach_div_`` around a ``SUM``), through the group's coalesced allreduce: one grouped
   NCCL launch for up to 1024 parameters. Parameters that lie back to back in one storage (a
-  flattened model) are one allreduce. Nothing is packed, copied or allocated.
+  flattened model) are one allreduce. Small parameters (biases, norms: 64 KiB or less each) are
+  packed into one buffer of at most 1 MiB and averaged as one tensor, then copied back: each
+  collective in a grouped launch pays a fixed latency, and a transformer's hundred small tensors
+  cost a quarter more than one flat allreduce of the same bytes.
 * **Buckets, at most ``bucket_cap_mb`` extra** -- everywhere else (gloo and CPU parameters, or
   GPU parameters that alias one another): parameters are streamed through a bounded staging
   area: pack a slice into a flat buffer, divide, allreduce (``SUM``), copy back into the
@@ -48,6 +51,12 @@ __all__ = [
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 """Default bound, in MiB, on the extra memory one :func:`average_parameters` call allocates."""
+
+SMALL_PARAMETER_BYTES = 64 * 2**10
+"""Parameters of at most this many bytes are packed together on the in-place path."""
+
+PACK_MAX_BYTES = 2**20
+"""The in-place path packs small parameters into at most this much extra memory per (device, dtype)."""
 
 _LAUNCH_MAX_TENSORS = 1024
 """At most this many tensors per grouped NCCL launch of the in-place path (one launch is fastest).
@@ -196,16 +205,31 @@ def _span(run: list[torch.Tensor]) -> torch.Tensor:
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,), (1,))
 
 
+def _small_ones(tensors: list[torch.Tensor], pack_max_bytes: int) -> list[torch.Tensor]:
+    """The small tensors to pack together (in order, at most ``pack_max_bytes``); none if fewer than 2."""
+    small: list[torch.Tensor] = []
+    room = pack_max_bytes
+    for tensor in tensors:
+        if tensor.nbytes <= min(SMALL_PARAMETER_BYTES, room):
+            small.append(tensor)
+            room -= tensor.nbytes
+    return small if len(small) > 1 else []
+
+
 def _average_in_place(
-    tensors: list[torch.Tensor], group: dist.ProcessGroup, launch_max_tensors: int = _LAUNCH_MAX_TENSORS
+    tensors: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    launch_max_tensors: int = _LAUNCH_MAX_TENSORS,
+    pack_max_bytes: int = PACK_MAX_BYTES,
 ) -> None:
     """Average same-device, same-dtype dense tensors over ``group`` in their own storage.
 
-    Divide in place, then one coalesced allreduce of all of them (NCCL: one grouped launch of
-    in-place allreduces, at most 1024 per launch; ``AVG`` for fp32/fp64/bf16, so no division
-    pass). One launch beats several smaller ones: NCCL spreads the grouped allreduces over its
-    channels and reaches the bandwidth of one flat message. Then the current stream (never the
-    host) waits for each launch, and fp16 gets its post-division. Nothing is allocated.
+    The small ones are first packed into one buffer (at most ``pack_max_bytes``). Divide in
+    place, then one coalesced allreduce of all of them (NCCL: one grouped launch of in-place
+    allreduces, at most 1024 per launch; ``AVG`` for fp32/fp64/bf16, so no division pass). One
+    launch beats several smaller ones: NCCL spreads the grouped allreduces over its channels and
+    reaches the bandwidth of one flat message. Then the current stream (never the host) waits for
+    each launch, fp16 gets its post-division, and the packed values go back to their tensors.
     """
     # NCCL averages fp32/fp64/bf16 inside the collective (AVG: no division pass); fp16 keeps its
     # pre/post division (no pre-multiplied sums in a coalesced allreduce).
@@ -214,6 +238,12 @@ def _average_in_place(
     options.reduceOp = op
     if hasattr(options, "asyncOp"):
         options.asyncOp = True
+    small = _small_ones(tensors, pack_max_bytes)
+    if small:
+        flats = [t.view(-1) for t in small]
+        packed = torch.cat(flats)
+        packed_ids = {id(t) for t in small}
+        tensors = [packed, *(t for t in tensors if id(t) not in packed_ids)]
     launched: list[tuple[dist.Work, list[torch.Tensor]]] = []
     for start in range(0, len(tensors), launch_max_tensors):
         chunk = tensors[start : start + launch_max_tensors]
@@ -224,6 +254,8 @@ def _average_in_place(
         work.wait()  # on CUDA: the current stream waits for the collective, the host does not
         if post != 1.0:
             foreach_div_(chunk, post)
+    if small:
+        foreach_copy_(flats, list(packed.split([f.numel() for f in flats])))
 
 
 def _average_group(flats: list[torch.Tensor], group: dist.ProcessGroup, staging: _Staging) -> None:
@@ -265,12 +297,13 @@ class _Paths(NamedTuple):
     ``in_place``: None takes the in-place path exactly where NCCL reduces (NCCL's coalesced
     allreduce reduces each tensor in its own storage; gloo's flattens into a copy, and CPU tensors
     are better served by the buckets); True or False forces it. ``on_in_place`` sees the tensors
-    of every in-place call.
+    of every in-place call (before the small ones are packed); ``pack_max_bytes`` 0 packs none.
     """
 
     in_place: bool | None = None
     launch_max_tensors: int = _LAUNCH_MAX_TENSORS
     on_in_place: Callable[[list[torch.Tensor]], None] | None = None
+    pack_max_bytes: int = PACK_MAX_BYTES
 
 
 def _average_integers(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
@@ -360,7 +393,7 @@ def _average_on_device(
                 merged = _merge_adjacent(tensors, group_spans)
                 if paths.on_in_place is not None:
                     paths.on_in_place(merged)
-                _average_in_place(merged, group, paths.launch_max_tensors)
+                _average_in_place(merged, group, paths.launch_max_tensors, paths.pack_max_bytes)
             return
     flat_groups = [[t if t.dim() == 1 else t.view(-1) for t in ts] for ts in groups]
     staging = _Staging(
@@ -403,8 +436,9 @@ def average_parameters(
     ``process_group`` defaults to WORLD; on a rank outside it this changes nothing. Parameters may
     live on several devices and have several dtypes: each ``(device, dtype)`` group is averaged in
     its own dtype. GPU parameters on an NCCL group are divided and allreduced in their own storage
-    with no extra memory (``bucket_cap_mb`` is then unused): one grouped NCCL launch for up to 1024
-    parameters, and one allreduce for parameters that lie back to back in one storage. Elsewhere
+    (``bucket_cap_mb`` is then unused): one grouped NCCL launch for up to 1024 parameters, one
+    allreduce for parameters that lie back to back in one storage, and one for the small ones
+    (64 KiB or less each), packed into at most 1 MiB of extra memory. Elsewhere
     (gloo, CPU) they go through buckets of at most ``bucket_cap_mb`` MiB of extra memory per
     device (a parameter larger than a bucket is split across buckets); so do GPU parameters that
     alias one another. A dense non-contiguous layout (channels-last) is averaged through its

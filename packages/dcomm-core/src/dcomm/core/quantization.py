@@ -20,6 +20,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = [
@@ -216,6 +218,15 @@ def dequantize(
     return out
 
 
+def _fused_kernels(tensor: torch.Tensor, fmt: str, block_size: int) -> Any:
+    """The fused Triton kernels when they take ``tensor`` (CUDA, int8/fp8), else None."""
+    if not tensor.is_cuda:
+        return None
+    from dcomm.core import _quantization_kernels
+
+    return _quantization_kernels if _quantization_kernels.usable(tensor, fmt, block_size) else None
+
+
 def _check_rows(cols: int, block_size: int) -> None:
     if cols % block_size:
         raise ValueError(
@@ -239,6 +250,10 @@ def quantize_rows(rows: torch.Tensor, fmt: str, block_size: int = 256) -> torch.
     _check_format(fmt, block_size)
     n, cols = rows.shape
     _check_rows(cols, block_size)
+    fused = _fused_kernels(rows, fmt, block_size)
+    if fused is not None:
+        out = torch.empty(n, payload_bytes(cols, fmt, block_size), dtype=torch.uint8, device=rows.device)
+        return fused.quantize_rows_into(rows, fmt, block_size, out, _MAX_CODE[fmt])
     payload, scales = quantize(rows, fmt, block_size)
     n_codes = code_bytes(cols, fmt, block_size)
     packed = torch.empty(n, payload_bytes(cols, fmt, block_size), dtype=torch.uint8, device=rows.device)
@@ -267,6 +282,12 @@ def dequantize_rows(
             f"packed: expected uint8 rows of {payload_bytes(cols, fmt, block_size)} bytes for cols={cols}, "
             f"fmt={fmt!r}; got {tuple(packed.shape)} of {packed.dtype}"
         )
+    if fmt != "int4" and packed.is_cuda and packed.is_contiguous() and (out is None or out.is_contiguous()):
+        values = torch.empty(n, cols, dtype=torch.float32, device=packed.device) if out is None else out.view(n, cols)
+        fused = _fused_kernels(values, fmt, block_size)
+        if fused is not None:
+            fused.dequantize_rows_into(packed, fmt, cols, block_size, values)
+            return values if out is None else out
     n_codes = code_bytes(cols, fmt, block_size)
     codes = packed[:, :n_codes].reshape(-1)
     scales = packed[:, n_codes:].contiguous().view(torch.float32).reshape(-1)

@@ -1,0 +1,120 @@
+"""Fused CUDA kernels (Triton) for int8/fp8 row quantization: one launch each way.
+
+The torch form of :func:`dcomm.core.quantization.quantize_rows` takes about ten kernels (|x|,
+block max, divisions, rounding, clamping, the casts and the packing copies) and as many
+launches of host time; a gradient hook pays that per bucket on the autograd thread. Here one
+Triton program quantizes a group of blocks and writes codes and scales straight into the packed
+rows, and one decodes them. The arithmetic is the torch form's, operation for operation (IEEE
+divisions, round half to even, the same clamps and casts), so the bytes are the same; a test
+compares them on CUDA.
+
+:func:`usable` says when they apply: CUDA tensors, int8 or fp8, Triton importable.
+
+Example::
+
+    >>> if usable(rows, "int8", 256):  # doctest: +SKIP
+    ...     quantize_rows_into(rows, "int8", 256, packed, 127.0)
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["dequantize_rows_into", "quantize_rows_into", "usable"]
+
+_GROUP = 8  # blocks per program
+_FORMATS = ("int8", "fp8")
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+try:
+    import triton  # type: ignore[import-not-found]
+    import triton.language as tl  # type: ignore[import-not-found]
+    from triton.language.extra import libdevice  # type: ignore[import-not-found]
+except ImportError:  # CPU-only installs: the torch form is used
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize(  # type: ignore[no-untyped-def]
+        x_ptr, codes_ptr, scales_ptr, n_blocks, blocks_per_row, cols, row_bytes, row_words,
+        LIMIT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
+    ):  # fmt: skip
+        blocks = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
+        valid = blocks < n_blocks
+        row = blocks // blocks_per_row
+        block = blocks % blocks_per_row
+        column = block[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        x = tl.load(x_ptr + row[:, None].to(tl.int64) * cols + column, mask=valid[:, None], other=0.0)
+        x = x.to(tl.float32)
+        scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), LIMIT)
+        # A NaN anywhere in the block gives a NaN scale, as torch's amax does (+0.0 otherwise).
+        scale = scale + tl.sum(tl.where(x != x, x, tl.zeros_like(x)), axis=1)
+        safe = tl.where(scale > 0, scale, tl.full(scale.shape, 1.0, tl.float32))
+        y = tl.math.div_rn(x, safe[:, None])
+        if FP8:
+            y = tl.minimum(tl.maximum(y, -LIMIT), LIMIT)
+            codes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            y = tl.minimum(tl.maximum(libdevice.rint(y), -LIMIT), LIMIT)
+            codes = y.to(tl.int8).to(tl.uint8, bitcast=True)
+        tl.store(codes_ptr + row[:, None].to(tl.int64) * row_bytes + column, codes, mask=valid[:, None])
+        tl.store(scales_ptr + row.to(tl.int64) * row_words + cols // 4 + block, scale, mask=valid)
+
+    @triton.jit
+    def _dequantize(  # type: ignore[no-untyped-def]
+        codes_ptr, scales_ptr, out_ptr, n_blocks, blocks_per_row, cols, row_bytes, row_words,
+        BLOCK: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
+    ):  # fmt: skip
+        blocks = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
+        valid = blocks < n_blocks
+        row = blocks // blocks_per_row
+        block = blocks % blocks_per_row
+        column = block[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        raw = tl.load(codes_ptr + row[:, None].to(tl.int64) * row_bytes + column, mask=valid[:, None], other=0)
+        if FP8:
+            values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            values = raw.to(tl.int8, bitcast=True).to(tl.float32)
+        scale = tl.load(scales_ptr + row.to(tl.int64) * row_words + cols // 4 + block, mask=valid, other=1.0)
+        out = (values * scale[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row[:, None].to(tl.int64) * cols + column, out, mask=valid[:, None])
+
+
+def usable(tensor: torch.Tensor, fmt: str, block_size: int) -> bool:
+    """Whether the fused kernels take ``tensor`` (CUDA, int8/fp8, a float dtype, Triton present).
+
+    ``block_size`` must be a power of two of at least 4 (scales then start on a 4-byte boundary).
+    """
+    power_of_two = block_size >= 4 and block_size & (block_size - 1) == 0
+    return tensor.is_cuda and fmt in _FORMATS and tensor.dtype in _FLOATS and power_of_two and triton is not None
+
+
+def _grid(n_blocks: int) -> tuple[int]:
+    return (-(-n_blocks // _GROUP),)
+
+
+def quantize_rows_into(rows: torch.Tensor, fmt: str, block_size: int, out: torch.Tensor, limit: float) -> torch.Tensor:
+    """Quantize contiguous ``[n, cols]`` rows into ``out`` (``[n, payload]`` uint8) in one launch."""
+    n, cols = rows.shape
+    rows = rows.contiguous()
+    n_blocks = n * (cols // block_size)
+    row_bytes = out.stride(0)
+    _quantize[_grid(n_blocks)](
+        rows, out, out.view(torch.float32), n_blocks, cols // block_size, cols, row_bytes, row_bytes // 4,
+        LIMIT=limit, BLOCK=block_size, GROUP=_GROUP, FP8=fmt == "fp8",
+    )  # fmt: skip
+    return out
+
+
+def dequantize_rows_into(packed: torch.Tensor, fmt: str, cols: int, block_size: int, out: torch.Tensor) -> torch.Tensor:
+    """Decode ``[n, payload]`` packed rows into contiguous ``[n, cols]`` ``out`` in one launch."""
+    n = packed.shape[0]
+    n_blocks = n * (cols // block_size)
+    row_bytes = packed.stride(0)
+    _dequantize[_grid(n_blocks)](
+        packed, packed.view(torch.float32), out, n_blocks, cols // block_size, cols, row_bytes, row_bytes // 4,
+        BLOCK=block_size, GROUP=_GROUP, FP8=fmt == "fp8",
+    )  # fmt: skip
+    return out

@@ -1,0 +1,97 @@
+"""The fused Triton kernels against the torch form of row quantization (CUDA only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcomm.core import _quantization_kernels as kernels
+from dcomm.core import quantization
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or kernels.triton is None, reason="needs CUDA and Triton (the GPU suite runs it)"
+)
+
+FORMATS = ("int8", "fp8")
+
+
+def spread_rows(n: int, cols: int, block: int, seed: int) -> torch.Tensor:
+    """Rows whose blocks span 1e-30 to 1e4 in magnitude (fp8 subnormals included), one block of zeros."""
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.logspace(-30, 4, n * cols // block, dtype=torch.float64)
+    x = torch.randn(n, cols, generator=g, dtype=torch.float64) * scales.repeat_interleave(block).view(n, cols)
+    x[0, :block] = 0.0
+    return x.float().cuda()
+
+
+def torch_rows(rows: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
+    """The torch form, with the kernels switched off."""
+    saved = kernels.usable
+    kernels.usable = lambda *args: False  # type: ignore[assignment]
+    try:
+        return quantization.quantize_rows(rows, fmt, block)
+    finally:
+        kernels.usable = saved  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("n", "cols", "block"), [(4, 4096, 256), (3, 64, 16), (1, 256 * 1031, 256)])
+def test_quantize_matches_torch(fmt: str, n: int, cols: int, block: int) -> None:
+    rows = spread_rows(n, cols, block, seed=n + cols)
+    ours = torch.empty(n, quantization.payload_bytes(cols, fmt, block), dtype=torch.uint8, device="cuda")
+    kernels.quantize_rows_into(rows, fmt, block, ours, quantization.max_code(fmt))
+    theirs = torch_rows(rows, fmt, block)
+    assert torch.equal(ours, theirs), f"{int((ours != theirs).sum())} of {ours.numel()} bytes differ"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_matches_torch(fmt: str, dtype: torch.dtype) -> None:
+    n, cols, block = 4, 2048, 256
+    packed = torch_rows(spread_rows(n, cols, block, seed=5), fmt, block)
+    ours = torch.empty(n, cols, dtype=dtype, device="cuda")
+    kernels.dequantize_rows_into(packed, fmt, cols, block, ours)
+    saved = kernels.usable
+    kernels.usable = lambda *args: False  # type: ignore[assignment]
+    try:
+        theirs = quantization.dequantize_rows(packed, fmt, cols, block).to(dtype)
+    finally:
+        kernels.usable = saved  # type: ignore[assignment]
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_non_finite_blocks_stay_non_finite(fmt: str) -> None:
+    rows = spread_rows(2, 512, 256, seed=9)
+    rows[0, 3] = float("nan")
+    rows[1, 300] = float("inf")
+    packed = torch.empty(2, quantization.payload_bytes(512, fmt, 256), dtype=torch.uint8, device="cuda")
+    kernels.quantize_rows_into(rows, fmt, 256, packed, quantization.max_code(fmt))
+    values = torch.empty(2, 512, device="cuda")
+    kernels.dequantize_rows_into(packed, fmt, 512, 256, values)
+    assert not values[0, :256].isfinite().all()
+    assert not values[1, 256:].isfinite().all()
+    assert values[0, 256:].isfinite().all()
+    assert values[1, :256].isfinite().all()
+
+
+def test_public_functions_use_the_kernels_on_cuda() -> None:
+    calls: list[str] = []
+    saved = kernels.quantize_rows_into, kernels.dequantize_rows_into
+
+    def quantize_spy(*args: object) -> torch.Tensor:
+        calls.append("quantize")
+        return saved[0](*args)  # type: ignore[arg-type]
+
+    def dequantize_spy(*args: object) -> torch.Tensor:
+        calls.append("dequantize")
+        return saved[1](*args)  # type: ignore[arg-type]
+
+    kernels.quantize_rows_into, kernels.dequantize_rows_into = quantize_spy, dequantize_spy  # type: ignore[assignment]
+    try:
+        rows = spread_rows(2, 512, 256, seed=1)
+        packed = quantization.quantize_rows(rows, "int8", 256)
+        quantization.dequantize_rows(packed, "int8", 512, 256)
+    finally:
+        kernels.quantize_rows_into, kernels.dequantize_rows_into = saved  # type: ignore[assignment]
+    assert calls == ["quantize", "dequantize"]

@@ -102,8 +102,7 @@ def _check_bucket_cap_mb(bucket_cap_mb: object) -> float:
 
 
 def _check_device(device: torch.device, group: dist.ProcessGroup) -> None:
-    backend = str(dist.get_backend(group))
-    if device.type == "cpu" and backend == "nccl":
+    if device.type == "cpu" and str(dist.get_backend(group)) == "nccl":
         raise ValueError(
             "params: a parameter is on the CPU but process_group uses the 'nccl' backend, which "
             "only reduces GPU tensors; move the parameters to the GPU or create the group with "
@@ -325,8 +324,8 @@ def _average_integers(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> 
             tensor.copy_(mean.view_as(tensor))
 
 
-def _checked(param: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Refuse, before any collective, a parameter that cannot be averaged."""
+def _checked(param: torch.Tensor) -> None:
+    """Refuse, before any collective, a parameter that cannot be averaged (its device: see _by_device)."""
     if param.layout != torch.strided:
         raise ValueError(
             f"params: a parameter of shape {tuple(param.shape)} has the {param.layout} layout; "
@@ -342,7 +341,6 @@ def _checked(param: torch.Tensor, group: dist.ProcessGroup) -> None:
             f"params: a parameter has the complex dtype {param.dtype}; average its real view instead "
             "(torch.view_as_real(param))"
         )
-    _check_device(param.device, group)
 
 
 def _by_device(
@@ -360,7 +358,7 @@ def _by_device(
     count = 0
     for param in params:
         count += 1
-        _checked(param, group)
+        _checked(param)
         if id(param) in seen or param.numel() == 0:
             continue
         seen.add(id(param))
@@ -374,6 +372,8 @@ def _by_device(
             "pass the same non-empty parameters on every rank of the group (for param groups, only "
             "parameters with a gradient are averaged: call it after backward)"
         )
+    for device in {device for device, _ in by_kind} | {t.device for t in integers}:
+        _check_device(device, group)  # once per device: a c10d query per parameter costs host time
     by_device: dict[torch.device, list[list[torch.Tensor]]] = {}
     for (device, _), tensors in by_kind.items():
         by_device.setdefault(device, []).append(tensors)

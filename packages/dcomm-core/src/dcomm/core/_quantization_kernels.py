@@ -4,9 +4,9 @@ The torch form of :func:`dcomm.core.quantization.quantize_rows` takes about ten 
 block max, divisions, rounding, clamping, the casts and the packing copies) and as many
 launches of host time; a gradient hook pays that per bucket on the autograd thread. Here one
 Triton program quantizes a group of blocks and writes codes and scales straight into the packed
-rows, and one decodes them. The arithmetic is the torch form's, operation for operation (IEEE
-divisions, round half to even, the same clamps and casts), so the bytes are the same; a test
-compares them on CUDA.
+rows, and one decodes them. The arithmetic is the torch form's on CUDA, operation for operation
+(the scale times the reciprocal of the largest code, as torch divides by a scalar; IEEE division
+by the scale; round half to even; the same clamps and casts); a test compares them on CUDA.
 
 :func:`usable` says when they apply: CUDA tensors, int8 or fp8, Triton importable.
 
@@ -39,7 +39,8 @@ if triton is not None:
     @triton.jit
     def _quantize(  # type: ignore[no-untyped-def]
         x_ptr, codes_ptr, scales_ptr, n_blocks, blocks_per_row, cols, row_bytes, row_words,
-        LIMIT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
+        LIMIT: tl.constexpr, INV_LIMIT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+        FP8: tl.constexpr,
     ):  # fmt: skip
         blocks = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
         valid = blocks < n_blocks
@@ -48,7 +49,7 @@ if triton is not None:
         column = block[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
         x = tl.load(x_ptr + row[:, None].to(tl.int64) * cols + column, mask=valid[:, None], other=0.0)
         x = x.to(tl.float32)
-        scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), LIMIT)
+        scale = tl.max(tl.abs(x), axis=1) * INV_LIMIT  # torch's CUDA division by a scalar
         # A NaN anywhere in the block gives a NaN scale, as torch's amax does (+0.0 otherwise).
         scale = scale + tl.sum(tl.where(x != x, x, tl.zeros_like(x)), axis=1)
         safe = tl.where(scale > 0, scale, tl.full(scale.shape, 1.0, tl.float32))
@@ -103,7 +104,7 @@ def quantize_rows_into(rows: torch.Tensor, fmt: str, block_size: int, out: torch
     row_bytes = out.stride(0)
     _quantize[_grid(n_blocks)](
         rows, out, out.view(torch.float32), n_blocks, cols // block_size, cols, row_bytes, row_bytes // 4,
-        LIMIT=limit, BLOCK=block_size, GROUP=_GROUP, FP8=fmt == "fp8",
+        LIMIT=limit, INV_LIMIT=1.0 / limit, BLOCK=block_size, GROUP=_GROUP, FP8=fmt == "fp8",
     )  # fmt: skip
     return out
 

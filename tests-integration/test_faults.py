@@ -11,8 +11,9 @@ default NCCL's watchdog then tears the whole process down after the collective t
 Python error is ever raised. The NCCL form therefore runs with ``TORCH_NCCL_BLOCKING_WAIT=1``
 (``work.wait()`` blocks the host and raises ``DistBackendError`` at the timeout), a timeout of a
 few seconds, and the failure at an averaging step, so that the averager's ``work.wait()`` is the
-first place a survivor waits for the dead peer (any CUDA synchronization before it would block for
-good). Each rank aborts its process group on an error, since ``destroy_process_group`` waits for
+first place a survivor waits for the dead peer: a CUDA synchronization before it (the next step's
+batch copy, or DDP's runtime statistics at the start of its first 10 forwards) would block for
+good. Each rank aborts its process group on an error, since ``destroy_process_group`` waits for
 the collectives the dead peer never joins.
 """
 

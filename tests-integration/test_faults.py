@@ -5,32 +5,49 @@ on every rank with different data. When one rank fails, every other rank must en
 of its own (a collective that failed), not hang until it is killed; a checkpoint written before
 the failure must resume bit-identically; a truncated or corrupted checkpoint must be refused with
 a clear error and leave every object as it was. gloo always; NCCL when there is a GPU per rank.
+
+On NCCL a survivor's collective never fails by itself: its kernel waits for the dead peer. By
+default NCCL's watchdog then tears the whole process down after the collective timeout, and no
+Python error is ever raised. The NCCL form therefore runs with ``TORCH_NCCL_BLOCKING_WAIT=1``
+(``work.wait()`` blocks the host and raises ``DistBackendError`` at the timeout), a timeout of a
+few seconds, and the failure at an averaging step, so that the averager's ``work.wait()`` is the
+first place a survivor waits for the dead peer: a CUDA synchronization before it (the next step's
+batch copy, or DDP's runtime statistics at the start of its first 10 forwards) would block for
+good. Each rank aborts its process group on an error, since ``destroy_process_group`` waits for
+the collectives the dead peer never joins.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dcomm.averaging import PeriodicModelAverager, PostLocalSGDOptimizer
 from dcomm.ddp import PostLocalSGDState, post_localSGD_hook
 from dcomm_testing import RankFailure, run_ranks, seeded_batch
+from tools.launch import MULTICAST_OFF
 
 WARMUP, STEPS, FAIL_AT = 2, 6, 3
 COLLECTIVE_TIMEOUT = 60.0
 BACKENDS = ["gloo"] + (["nccl"] if torch.cuda.device_count() >= 3 else [])
-# On NCCL a peer that fails mid-step leaves the survivors inside a collective until NCCL's
-# watchdog times it out, and the watchdog then tears the process down (TORCH_NCCL_ASYNC_ERROR_
-# HANDLING) instead of raising in Python: seen on 2x H200, torch 2.11, 2026-11-26 ("Watchdog
-# caught collective operation timeout: WorkNCCL(OpType=ALLREDUCE ...)", rank killed). The
-# survivors therefore do not end with a Python error there; that test runs on gloo only.
+# With NCCL's defaults a peer that fails mid-step leaves the survivors inside a collective until
+# NCCL's watchdog times it out, and the watchdog then tears the process down (TORCH_NCCL_ASYNC_
+# ERROR_HANDLING) instead of raising in Python: seen on 2x H200, torch 2.11, 2026-11-26 ("Watchdog
+# caught collective operation timeout: WorkNCCL(OpType=ALLREDUCE ...)", rank killed). This form
+# therefore runs on gloo; the NCCL form below (see the module docstring) has settings of its own.
 SURVIVOR_BACKENDS = ["gloo"]
+NCCL_FAIL_AT = 4  # an averaging step: PeriodicModelAverager(period=2, warmup_steps=2) averages at 2, 4, ...
+NCCL_COLLECTIVE_TIMEOUT = 5.0
+# work.wait() blocks the host and raises at the timeout; the name is read by torch 2.11 to 2.13.
+NCCL_ERRORS_IN_PYTHON = {**MULTICAST_OFF, "TORCH_NCCL_BLOCKING_WAIT": "1"}
 
 
 def _device(backend: str, rank: int) -> torch.device:
@@ -76,10 +93,10 @@ def _checkpoint_path(folder: str, rank: int) -> Path:
     return Path(folder) / f"rank{rank}.pt"
 
 
-def _fails_mid_training(rank: int, world: int, backend: str, how: str, folder: str) -> None:
+def _fails_mid_training(rank: int, world: int, backend: str, how: str, folder: str, fail_at: int = FAIL_AT) -> None:
     training = _Training(backend, rank)
     for step in range(STEPS):
-        if step == FAIL_AT:
+        if step == fail_at:
             torch.save(training.state_dict(), _checkpoint_path(folder, rank))
             if rank == world - 1:
                 if how == "dies":
@@ -104,6 +121,71 @@ def test_a_failed_rank_ends_every_other_rank_with_an_error(tmp_path: Path, backe
     # Every survivor raised by itself, within the collective timeout: none was killed as hung.
     for rank in range(failed):
         assert f"--- rank {rank} ---" in report, report
+    assert "returned nothing" not in report.replace(f"ranks [{failed}] returned nothing", ""), report
+
+
+def _fails_mid_training_on_nccl(rank: int, world: int, how: str, folder: str) -> None:
+    try:
+        _fails_mid_training(rank, world, "nccl", how, folder, fail_at=NCCL_FAIL_AT)
+    except BaseException:
+        # destroy_process_group would wait for the collectives that the failed rank never joins.
+        dist.distributed_c10d._abort_process_group()
+        raise
+
+
+def _nccl_ranks_or_skip(world: int) -> None:
+    gpus = torch.cuda.device_count()
+    if not dist.is_nccl_available() or gpus < world:
+        pytest.skip(
+            f"the NCCL form needs torch.distributed with NCCL and {world} CUDA GPUs (one per rank); "
+            f"NCCL available: {dist.is_nccl_available()}, GPUs: {gpus}"
+        )
+
+
+def _rank_reports(report: str) -> dict[int, str]:
+    """Each rank's story in a RankFailure report (``--- rank N ---`` up to the next one)."""
+    parts = re.split(r"^--- rank (\d+) ---$", report, flags=re.MULTILINE)
+    return {int(rank): story for rank, story in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+# The error a survivor must end with: NCCL's timeout of the averager's allreduce (the dead peer is
+# not detected on one host), or NCCL's report of a remote failure where the transport notices it.
+NCCL_SURVIVOR_ERROR = re.compile(
+    r"DistBackendError: .*(collective operation timeout: WorkNCCL\(.*OpType=ALLREDUCE|ncclRemoteError)", re.DOTALL
+)
+
+
+@pytest.mark.parametrize("how", ["raises", "dies"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.timeout(240)
+def test_on_nccl_a_failed_rank_ends_every_other_rank_with_a_collective_error(
+    tmp_path: Path, how: str, world: int
+) -> None:
+    _nccl_ranks_or_skip(world)
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(
+            _fails_mid_training_on_nccl,
+            world,
+            how,
+            str(tmp_path),
+            backend="nccl",
+            timeout=NCCL_COLLECTIVE_TIMEOUT,
+            env=NCCL_ERRORS_IN_PYTHON,
+            grace=60.0,  # survivors report their own timeout error, NCCL_COLLECTIVE_TIMEOUT after the failure
+        )
+    report = str(failure.value)
+    failed = world - 1
+    if how == "raises":
+        assert f"injected failure on rank {failed}" in _rank_reports(report)[failed], report
+    else:
+        assert f"ranks [{failed}] returned nothing (exit codes {{{failed}: 3}})" in report, report
+    # Every survivor raised a Python error from the collective: none was torn down by NCCL's
+    # watchdog, killed as hung, or finished training as if nothing had happened.
+    stories = _rank_reports(report)
+    for rank in range(failed):
+        assert rank in stories, report
+        assert NCCL_SURVIVOR_ERROR.search(stories[rank]), stories[rank]
+        assert "average_parameters" in stories[rank], stories[rank]  # in the averager's collective
     assert "returned nothing" not in report.replace(f"ranks [{failed}] returned nothing", ""), report
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import time
 
 import pytest
 import torch
@@ -190,6 +191,39 @@ def _hang_on_rank_one(rank: int, world: int) -> None:
 def test_run_ranks_reports_failure_without_hanging() -> None:
     with pytest.raises(RankFailure, match="boom on rank 1"):
         run_ranks(_hang_on_rank_one, 2, timeout=60)
+
+
+LATE_S = 3.0
+
+
+def _fails_late_on_rank_zero(rank: int, world: int) -> None:
+    if rank == 1:
+        raise RuntimeError("rank 1 failed first")
+    time.sleep(LATE_S)  # as an NCCL rank does until its collective times out
+    raise RuntimeError("rank 0 failed by itself, later")
+
+
+@pytest.mark.timeout(300)
+def test_run_ranks_gives_the_other_ranks_grace_seconds_to_fail_by_themselves() -> None:
+    with pytest.raises(RankFailure) as killed:
+        run_ranks(_fails_late_on_rank_zero, 2, timeout=60, grace=0.5)
+    assert "rank 1 failed first" in str(killed.value)
+    assert "ranks [0] returned nothing" in str(killed.value)
+    with pytest.raises(RankFailure) as reported:
+        run_ranks(_fails_late_on_rank_zero, 2, timeout=60, grace=LATE_S + 30)
+    assert "rank 1 failed first" in str(reported.value)
+    assert "rank 0 failed by itself, later" in str(reported.value)
+    assert "returned nothing" not in str(reported.value)
+
+
+def _ends_its_own_group(rank: int, world: int) -> int:
+    dist.destroy_process_group()  # as a rank that aborts its NCCL group after an error
+    return rank
+
+
+@pytest.mark.timeout(300)
+def test_run_ranks_leaves_a_group_that_the_function_ended() -> None:
+    assert run_ranks(_ends_its_own_group, 2) == [0, 1]
 
 
 def _nccl_check(rank: int, world: int) -> None:

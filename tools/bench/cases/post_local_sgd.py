@@ -2,7 +2,9 @@
 
 Each round times 4 steps, one full period of every averager; the references are DDP's built-in
 allreduce every step. After ``START_LOCAL_SGD_ITER`` warm-up steps the hook stops communicating
-gradients (pure local SGD) and the averagers take over.
+gradients (pure local SGD) and the averagers take over. A hierarchical averager creates process
+groups that nothing frees, so each process builds one per implementation and reuses it in every
+variant built after (every workload and precision), its step counter reset.
 
 Example::
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import functools
+from typing import Any
 
 import torch
 
@@ -23,7 +26,7 @@ from tools.bench.cases.common import LR, Context, add_versions, train_step
 from tools.bench.cases.ddp import build_ddp
 from tools.impls import resolve
 
-__all__ = ["PERIOD", "START_LOCAL_SGD_ITER", "hierarchy", "post_local_sgd_case"]
+__all__ = ["PERIOD", "START_LOCAL_SGD_ITER", "hierarchical_averager", "hierarchy", "post_local_sgd_case"]
 
 START_LOCAL_SGD_ITER = 2
 """Global allreduce steps before local SGD starts (= the averagers' warm-up)."""
@@ -41,6 +44,31 @@ def hierarchy(world: int) -> collections.OrderedDict[int, int]:
     return levels
 
 
+_HIERARCHICAL_AVERAGERS: dict[tuple[str, tuple[tuple[int, int], ...]], Any] = {}
+
+
+def hierarchical_averager(impl: str, world: int) -> Any:
+    """``impl``'s averager over :func:`hierarchy`, built (with its subgroups) once per process.
+
+    Every rank builds the same variants in the same order, so every rank creates the groups at the
+    same call. The averager holds no parameters, only its groups and its step, which restarts at 0.
+
+    Example::
+
+        >>> hierarchical_averager("dcomm", 4).step  # doctest: +SKIP
+        0
+    """
+    levels = hierarchy(world)
+    key = (impl, tuple(levels.items()))
+    if key not in _HIERARCHICAL_AVERAGERS:
+        _HIERARCHICAL_AVERAGERS[key] = resolve(impl, "HierarchicalModelAverager")(
+            period_group_size_dict=levels, warmup_steps=START_LOCAL_SGD_ITER
+        )
+    averager = _HIERARCHICAL_AVERAGERS[key]
+    averager.step = 0
+    return averager
+
+
 def build_post_local_sgd(ctx: Context, impl: str, averaging: str) -> Variant:
     """DDP + the post-local SGD hook (no gradient allreduce after the switch) + an averaging optimizer."""
     ddp = ctx.ddp(ctx.model())
@@ -51,9 +79,7 @@ def build_post_local_sgd(ctx: Context, impl: str, averaging: str) -> Variant:
     if averaging == "periodic":
         averager = resolve(impl, "PeriodicModelAverager")(period=PERIOD, warmup_steps=START_LOCAL_SGD_ITER)
     else:
-        averager = resolve(impl, "HierarchicalModelAverager")(
-            period_group_size_dict=hierarchy(ctx.world), warmup_steps=START_LOCAL_SGD_ITER
-        )
+        averager = hierarchical_averager(impl, ctx.world)
     sgd = torch.optim.SGD(ddp.parameters(), lr=LR)
     optimizer = resolve(impl, "PostLocalSGDOptimizer")(optim=sgd, averager=averager)
     return Variant(train_step(ctx, ddp, optimizer))

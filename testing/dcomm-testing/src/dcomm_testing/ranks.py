@@ -83,13 +83,15 @@ def _rank_main(
         try:
             value = fn(rank, world_size, *args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # fn may have aborted it (NCCL, after a failure)
+                dist.destroy_process_group()
         results.put((rank, True, value))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
 
 _GRACE_S = 10.0
+"""Seconds the other ranks get to end by themselves once one rank has failed (then they are killed)."""
 
 
 def _wait_for_all(store: Any, key: str, world_size: int, timeout: float) -> None:
@@ -137,8 +139,9 @@ def _start(
     return procs, results
 
 
-def _collect(procs: list[Any], results: Any, timeout: float) -> dict[int, tuple[bool, Any]]:
-    """Each rank's ``(ok, value or traceback)``; ranks still running after a failure or the deadline are killed."""
+def _collect(procs: list[Any], results: Any, timeout: float, grace: float) -> dict[int, tuple[bool, Any]]:
+    """Each rank's ``(ok, value or traceback)``; ranks still running ``grace`` s after a failure, or at the
+    deadline, are killed."""
     world_size = len(procs)
     outcomes: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout + 30.0
@@ -153,7 +156,7 @@ def _collect(procs: list[Any], results: Any, timeout: float) -> dict[int, tuple[
                     _drain(results, outcomes)
                     break
                 # Survivors of a failed rank block in its collectives: stop them soon.
-                if (first_failure is not None and now - first_failure > _GRACE_S) or now > deadline:
+                if (first_failure is not None and now - first_failure > grace) or now > deadline:
                     break
                 continue
             outcomes[rank] = (ok, value)
@@ -193,13 +196,16 @@ def run_ranks(
     backend: str = "gloo",
     timeout: float = 120.0,
     env: Mapping[str, str] | None = None,
+    grace: float = _GRACE_S,
 ) -> list[T]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` new ranks; return their results.
 
     ``fn`` must be importable by name (a module-level function) and its arguments and result
     picklable. ``env`` is set in every rank before the process group starts (``LOCAL_WORLD_SIZE``
     for a simulated multi-node layout, say). ``timeout`` bounds both the process group's
-    collectives and the whole run.
+    collectives and the whole run. Once a rank has failed, the others get ``grace`` seconds to end
+    by themselves before they are killed (raise it above ``timeout`` where they must time out in a
+    collective and report that, as NCCL ranks do).
 
     Example::
 
@@ -210,7 +216,7 @@ def run_ranks(
     folder = tempfile.mkdtemp(prefix="dcomm-ranks-")
     try:
         procs, results = _start(fn, world_size, args, backend, timeout, env or {}, os.path.join(folder, "store"))
-        outcomes = _collect(procs, results, timeout)
+        outcomes = _collect(procs, results, timeout, grace)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     _report(fn.__name__, procs, outcomes, timeout)

@@ -43,10 +43,12 @@ it runs while backward computes the next buckets; ``hook_with_zero_step`` issues
 after the last bucket, ``hook_with_zero_step_interleaved`` each one behind the next bucket's
 reduce-scatter. After backward ``param.grad`` holds this rank's **local** gradient (the averaged
 slices go straight to the optimizer), so gradients accumulated over several backward passes
-without ``zero_grad`` give plain ZeRO's result. Until DDP settles its buckets (1 iteration, 2
-with ``static_graph=True``), and for any bucket DDP lays out differently, the wrapped hook
-allreduces the bucket instead (same result, more traffic); after DDP settled, that warns once
-and :func:`fallback_count` counts such buckets. The parameters equal those of non-overlapped
+without ``zero_grad`` give plain ZeRO's result. DDP's real buckets (settled in the order
+gradients became ready) need not be the planned ones: each is cut into pieces per planned bucket,
+and a planned bucket is reduce-scattered once all its parameters arrived, so no bucket is
+allreduced for ZeRO's sake. Only a bucket that also holds parameters the
+``ZeroRedundancyOptimizer`` does not update is, besides, averaged by the wrapped hook; after DDP
+settled, that warns once and :func:`fallback_count` counts such buckets. The parameters equal those of non-overlapped
 ZeRO up to summation order (float32: within rtol 1e-5 / atol 1e-6 after several Adam steps;
 bit-identical on 2 gloo ranks). ``zero.state_dict()`` stays torch's per-parameter format
 (slices are joined on consolidation and cut again on load), so checkpoints move between every
@@ -173,13 +175,13 @@ def step_mode_of(hook: Callable[..., Any]) -> str | None:
 
 
 def fallback_count(hook: Callable[..., Any]) -> int:
-    """Buckets that a ``reduce_scatter=True`` hook had to allreduce after DDP settled its buckets.
+    """Buckets that a ``reduce_scatter=True`` hook also had to allreduce after DDP settled its buckets.
 
-    Such a bucket is one whose parameters DDP grouped differently from the planned layout
-    (gradients ready in another order than the reverse of the parameters'): the wrapped hook
-    averages it with an allreduce, which gives the same parameters with more traffic. The
-    first iterations, before DDP settles its buckets, always take that path and are not counted.
-    The first counted bucket also warns once. Always 0 with ``reduce_scatter=False``.
+    Such a bucket holds trainable parameters that the ``ZeroRedundancyOptimizer`` does not update:
+    besides the reduce-scatter of its ZeRO parameters, the wrapped hook averages it (an
+    allreduce), so that those parameters get averaged gradients. The first iterations, before
+    DDP settles its buckets, are not counted. The first counted bucket also warns once. 0 when
+    ZeRO owns every trainable parameter, and always 0 with ``reduce_scatter=False``.
 
     Args:
         hook: a hook returned by :func:`hook_with_zero_step` or

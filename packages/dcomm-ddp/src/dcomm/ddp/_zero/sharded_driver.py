@@ -2,21 +2,25 @@
 
 Every expected DDP bucket is a flat buffer cut into ``world`` equal slices (see
 :func:`dcomm.ddp._zero.layout.pack_shards`); rank ``r``'s local optimizer steps slice ``r`` of
-every bucket. Per bucket and step: one reduce-scatter of ``bucket / world`` (in the wrapped
+every shard. Per shard and step: one reduce-scatter of ``gradient / world`` (in the wrapped
 hook's dtype), the step, one all-gather of the updated slices into the flat buffer.
 
-A DDP bucket that holds exactly the parameters of one expected bucket in another order (a
-LayerNorm's weight gradient is ready before its bias) is copied into the planned order before its
-reduce-scatter (one foreach copy). Any other DDP bucket (the first iteration's single bucket, or a
-layout DDP chose differently) falls back: the wrapped hook averages it (an allreduce) and each
-rank copies out its slices. Slower, never wrong. After DDP has settled its buckets such a
-fallback warns once and is counted in ``fallbacks`` (see :func:`dcomm.ddp.fallback_count`).
+DDP's real buckets need not be the planned ones: DDP settles its buckets in the order gradients
+became ready in the first iteration, which the plan cannot know (a Linear's weight gradient may
+come before its bias, so every bucket boundary moves). Each real bucket is therefore cut into
+*pieces*, one per shard it touches; a piece's runs of parameters are divided into the shard's
+send buffer (one kernel for a whole shard, a foreach copy otherwise), and a shard is
+reduce-scattered as soon as its last parameter has arrived, whichever real bucket brought it. No
+bucket is ever allreduced for ZeRO's sake. Only a real bucket that also holds parameters the
+``ZeroRedundancyOptimizer`` does not update is, in addition, averaged by the wrapped hook (so
+that those parameters get averaged gradients); after DDP has settled such a bucket warns once
+and is counted in ``fallbacks`` (see :func:`dcomm.ddp.fallback_count`).
 
-``param.grad`` keeps this rank's local gradient on the fast path (the averaged slice goes to the
-optimizer only), so gradients accumulated over several backward passes reduce to exactly the
-sum that a non-overlapped ZeRO steps with. On the fused path the slices of every bucket are
-stepped together at the last bucket, and their all-gathers follow back to back (one NCCL group
-where torch allows).
+``param.grad`` keeps this rank's local gradient (the averaged slice goes to the optimizer only),
+so gradients accumulated over several backward passes reduce to exactly the sum that a
+non-overlapped ZeRO steps with. On the fused path the slices of every shard are stepped together
+at the last bucket, and their all-gathers follow back to back (one NCCL group where torch
+allows).
 
 Example::
 
@@ -35,31 +39,43 @@ import torch.distributed as dist
 import dcomm.ddp._torch_private as private
 from dcomm.core import reduce_scatter_future, warn_once
 from dcomm.ddp._zero import checkpoint
-from dcomm.ddp._zero.driver import Driver, Setup, all_gather, all_gathers, averaged_bucket, optimizer_class
+from dcomm.ddp._zero.driver import Driver, Setup, all_gather, all_gathers, optimizer_class
 from dcomm.ddp._zero.layout import Shard, pack_shards
 
 
 @dataclass
+class _Piece:
+    """The parameters of one real DDP bucket that belong to one shard."""
+
+    shard: Shard
+    count: int  # parameters
+    runs: list[tuple[int, int, int]]  # (bucket offset, flat offset, numel), contiguous in both
+    # (address of DDP's bucket buffer, its run views, ``shard.send``'s run views), made once
+    views: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
+
+
+@dataclass
 class _Plan:
-    """How one real DDP bucket is handled: ``fast`` (exactly one expected bucket) or member copies."""
+    """How one real DDP bucket reaches the shards: its pieces, and whether ZeRO owns all of it."""
 
     key: tuple[int, ...]
-    numel: int
-    fast: Shard | None
-    # fallback: (shard, bucket offset, flat offset, numel) of each ZeRO parameter in the bucket
-    members: list[tuple[Shard, int, int, int]] = field(default_factory=list)
-    # fast, in another order: (bucket offset, flat offset, numel) of runs contiguous in both
-    runs: list[tuple[int, int, int]] = field(default_factory=list)
-    # (address of DDP's bucket buffer, its run views, ``fast.send``'s run views), made once
-    run_views: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
+    pieces: list[_Piece] = field(default_factory=list)
+    covered: bool = True  # every parameter is updated by ZeRO (else the wrapped hook averages too)
 
 
 @dataclass
 class _Pending:
     plan: _Plan
-    fut: torch.futures.Future
+    fut: torch.futures.Future  # what DDP gets
     ready: list[Shard]  # shards whose whole gradient has arrived with this bucket
+    scattered: list[torch.futures.Future]  # their reduce-scatters, in the same order
     stepped: bool = False
+
+
+def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
 
 
 class ShardedDriver(Driver):
@@ -70,8 +86,8 @@ class ShardedDriver(Driver):
         zero = setup.zero
         builder = "hook_with_zero_step_interleaved" if setup.interleaved else "hook_with_zero_step"
         self.name = f"{builder}(reduce_scatter=True)"
-        self.fast_buckets = 0  # over the last backward
-        self.fallback_buckets = 0  # over the last backward, the first iterations' included
+        self.fast_buckets = 0  # over the last backward: buckets only reduce-scattered
+        self.fallback_buckets = 0  # over the last backward: buckets also averaged by the wrapped hook
         self._counting = [0, 0]
         self.layout = pack_shards(setup.buckets, self.rank, self.world, reduce_dtype)
         self.where = {id(p): (s, o) for s in self.layout for p, o in zip(s.params, s.offsets, strict=True)}
@@ -82,98 +98,79 @@ class ShardedDriver(Driver):
     # -- planning ---------------------------------------------------------------------------
 
     def make_plan(self, key: tuple[int, ...], params: list[torch.Tensor]) -> _Plan:
-        numel = sum(p.numel() for p in params)
-        fast = self.where.get(key[0], (None, 0))[0] if key else None
-        if fast is not None and fast.key == key:
-            plan = _Plan(key, numel, fast)
-        elif fast is not None and len(key) == len(fast.params) and set(key) == set(fast.key):
-            plan = _Plan(key, numel, fast, runs=self._runs(params))
-        else:
-            plan = _Plan(key, numel, None)
-            offset = 0
-            for p in params:
-                if id(p) in self.where:
-                    shard, flat_offset = self.where[id(p)]
-                    plan.members.append((shard, offset, flat_offset, p.numel()))
-                offset += p.numel()
-        return plan
-
-    def _runs(self, params: list[torch.Tensor]) -> list[tuple[int, int, int]]:
-        """Where each run of ``params`` (DDP's order) goes in its planned flat buffer."""
-        runs: list[tuple[int, int, int]] = []
+        plan = _Plan(key)
+        by_shard: dict[int, _Piece] = {}
         offset = 0
         for p in params:
-            flat_offset = self.where[id(p)][1]
-            if runs and runs[-1][0] + runs[-1][2] == offset and runs[-1][1] + runs[-1][2] == flat_offset:
-                src, dst, numel = runs[-1]
-                runs[-1] = (src, dst, numel + p.numel())
+            found = self.where.get(id(p))
+            if found is None:
+                plan.covered = False
             else:
-                runs.append((offset, flat_offset, p.numel()))
+                shard, flat_offset = found
+                piece = by_shard.get(shard.index)
+                if piece is None:
+                    piece = by_shard[shard.index] = _Piece(shard, 0, [])
+                    plan.pieces.append(piece)
+                piece.count += 1
+                runs = piece.runs
+                if runs and runs[-1][0] + runs[-1][2] == offset and runs[-1][1] + runs[-1][2] == flat_offset:
+                    src, dst, numel = runs[-1]
+                    runs[-1] = (src, dst, numel + p.numel())
+                else:
+                    runs.append((offset, flat_offset, p.numel()))
             offset += p.numel()
-        return runs
+        return plan
 
     # -- communication --------------------------------------------------------------------------
 
-    def _divide_into_send(self, plan: _Plan, buffer: torch.Tensor) -> None:
-        """``shard.send[:numel] = bucket / world`` in the planned order (the padding stays 0)."""
-        shard = plan.fast
-        assert shard is not None
-        if not plan.runs:
+    def _divide_into_send(self, piece: _Piece, buffer: torch.Tensor) -> None:
+        """``shard.send[run] = bucket[run] / world`` for each run of ``piece`` (the padding stays 0)."""
+        send = piece.shard.send
+        if len(piece.runs) == 1:
             # Copy, cast to the communication dtype and divide: one kernel.
-            torch.div(buffer, self.world, out=shard.send[: shard.numel])
+            src, dst, numel = piece.runs[0]
+            torch.div(buffer[src : src + numel], self.world, out=send[dst : dst + numel])
             return
         address = buffer.data_ptr()
-        if plan.run_views is None or plan.run_views[0] != address:
-            sources = [buffer[src : src + n] for src, _, n in plan.runs]
-            targets = [shard.send[dst : dst + n] for _, dst, n in plan.runs]
+        if piece.views is None or piece.views[0] != address:
+            sources = [buffer[src : src + n] for src, _, n in piece.runs]
+            targets = [send[dst : dst + n] for _, dst, n in piece.runs]
             # Views into DDP's persistent bucket buffer: keeping them holds no extra memory.
-            plan.run_views = (address, sources, targets)
-        _, sources, targets = plan.run_views
+            piece.views = (address, sources, targets)
+        _, sources, targets = piece.views
         copy = private.foreach_copy()
-        if copy is not None and buffer.dtype == shard.send.dtype:
+        if copy is not None and buffer.dtype == send.dtype:
             copy(targets, sources)  # then the division in place: the same values as torch.div
-            shard.send[: shard.numel].div_(self.world)
+            torch._foreach_div_(targets, self.world)
         else:
             for source, target in zip(sources, targets, strict=True):
                 torch.div(source, self.world, out=target)  # divide before the cast, as the hooks do
 
-    def _reduce_scatter(self, plan: _Plan, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Sum ``bucket / world`` onto the slices' owners (``shard.recv``); DDP keeps the local bucket."""
-        shard = plan.fast
-        assert shard is not None
-        buffer = bucket.buffer()
-        self._divide_into_send(plan, buffer)
+    def _scatter(self, plan: _Plan, buffer: torch.Tensor) -> tuple[list[Shard], list[torch.futures.Future]]:
+        """Put the bucket's pieces into their shards; reduce-scatter each shard now complete."""
+        ready, scattered = [], []
+        for piece in plan.pieces:
+            self._divide_into_send(piece, buffer)
+            shard = piece.shard
+            shard.seen += piece.count
+            if shard.seen == len(shard.params):
+                shard.seen = 0
+                ready.append(shard)
+                scattered.append(reduce_scatter_future(shard.recv, shard.send, self.group))
+        return ready, scattered
 
-        # DDP gets the bucket back unchanged: param.grad keeps the local gradient, so a gradient
-        # accumulated over several backward passes still averages to plain ZeRO's.
-        def local_bucket(done: torch.futures.Future) -> torch.Tensor:
-            done.wait()
-            return buffer
-
-        return reduce_scatter_future(shard.recv, shard.send, self.group).then(local_bucket)
-
-    def _fallback(self, state: Any, bucket: dist.GradBucket, plan: _Plan) -> tuple[Any, list[Shard]]:
-        """The wrapped hook averages the whole bucket; return its future and the shards it completes."""
-        self._counting[1] += 1
+    def _warn_uncovered(self, bucket: dist.GradBucket, plan: _Plan) -> None:
         if private.has_rebuilt_buckets(self.ddp):
             self.fallbacks += 1
             if self.fallbacks == 1:
                 warn_once(
                     ("zero overlap fallback", id(self)),
-                    f"{self.name}: DDP bucket {bucket.index()} ({len(plan.key)} parameters) is not one "
-                    "of the buckets planned from bucket_cap_mb (its gradients become ready in another "
-                    "order than the reverse of the parameters'), so it is allreduced by the wrapped hook "
-                    "instead of reduce-scattered: same result, more traffic; fallback_count(hook) "
+                    f"{self.name}: DDP bucket {bucket.index()} ({len(plan.key)} parameters) holds parameters "
+                    "that the ZeroRedundancyOptimizer does not update, so besides the reduce-scatter of its "
+                    "ZeRO parameters it is allreduced by the wrapped hook (more traffic); fallback_count(hook) "
                     "counts such buckets",
                     RuntimeWarning,
                 )
-        ready = []
-        for shard, *_ in plan.members:
-            shard.seen += 1
-            if shard.seen == len(shard.params):
-                shard.seen = 0
-                ready.append(shard)
-        return self.hook(state, bucket), ready
 
     # -- per-bucket work ----------------------------------------------------------------------
 
@@ -182,13 +179,20 @@ class ShardedDriver(Driver):
 
     def launch(self, state: Any, bucket: dist.GradBucket) -> _Pending:
         plan = self.plan(bucket)
-        if plan.fast is not None:
+        buffer = bucket.buffer()
+        ready, scattered = self._scatter(plan, buffer)
+        if plan.covered:
+            # DDP gets the bucket back unchanged: param.grad keeps the local gradient, so a gradient
+            # accumulated over several backward passes still averages to plain ZeRO's.
             self._counting[0] += 1
-            item = _Pending(plan, self._reduce_scatter(plan, bucket), [plan.fast])
+            fut = _done(buffer)
         else:
-            item = _Pending(plan, *self._fallback(state, bucket, plan))
+            self._counting[1] += 1
+            self._warn_uncovered(bucket, plan)
+            fut = self.hook(state, bucket)
+        item = _Pending(plan, fut, ready, scattered)
         if self.stream is not None and self.mode == "per_bucket":
-            # Queue this bucket's step now, behind its reduce-scatter: it runs on the side stream
+            # Queue this bucket's step now, behind its reduce-scatters: it runs on the side stream
             # while backward computes the next buckets (no CPU wait on NCCL).
             self.step(item)
         return item
@@ -206,25 +210,13 @@ class ShardedDriver(Driver):
 
     def _gather_grads(self, item: _Pending) -> None:
         """Put the averaged gradient of this rank's slices into ``shard.grad`` for ``item``'s shards."""
-        # A stream wait on CUDA (the CPU does not block on NCCL), a real wait on gloo.
-        value = item.fut.wait()
-        plan = item.plan
-        if plan.fast is None:
-            self._copy_owned(averaged_bucket(value, plan.numel), plan)
-        for shard in item.ready:
-            if shard.recv is not shard.grad and plan.fast is not None:
+        for shard, scattered in zip(item.ready, item.scattered, strict=True):
+            # A stream wait on CUDA (the CPU does not block on NCCL), a real wait on gloo.
+            scattered.wait()
+            if shard.recv is not shard.grad:
                 shard.grad.copy_(shard.recv)
             if self.stream is not None:
                 shard.grad.record_stream(self.stream)
-
-    def _copy_owned(self, averaged: torch.Tensor, plan: _Plan) -> None:
-        """Copy this rank's slice [lo, hi) of every member parameter into its shard's gradient."""
-        for shard, offset, flat_offset, numel in plan.members:
-            base = self.rank * shard.chunk
-            lo = max(flat_offset, base)
-            hi = min(flat_offset + numel, base + shard.chunk)
-            if hi > lo:
-                shard.grad[lo - base : hi - base].copy_(averaged[offset + lo - flat_offset : offset + hi - flat_offset])
 
     def complete(self, item: _Pending) -> None:
         """Step (if not done yet) and all-gather the updated slices into the flat buffers."""

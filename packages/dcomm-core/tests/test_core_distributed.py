@@ -20,6 +20,8 @@ from dcomm.core import (
     host_identity,
     intra_node_subgroups,
     reduce_scatter_future,
+    start_all_gather,
+    start_reduce_scatter,
 )
 from dcomm_testing import RankFailure, run_ranks
 
@@ -234,3 +236,24 @@ def _nccl_check(rank: int, world: int) -> None:
 
 def test_reduced_by_nccl_is_false_for_cpu_tensors_on_gloo() -> None:
     run_ranks(_nccl_check, 2)
+
+
+def _direct_starters(rank: int, world: int) -> None:
+    """The direct reduce-scatter and all-gather give torch's results bit for bit, in place."""
+    g = torch.Generator().manual_seed(rank)
+    flat = torch.randn(world * 5, generator=g)
+    ours, theirs = torch.empty(5), torch.empty(5)
+    start_reduce_scatter(ours, flat.clone(), dist.group.WORLD).wait()
+    dist.reduce_scatter_tensor(theirs, flat.clone())
+    assert torch.equal(ours, theirs)
+    gathered, expected = torch.empty(world * 5), torch.empty(world * 5)
+    start_all_gather(gathered, ours, dist.group.WORLD).wait()
+    dist.all_gather_into_tensor(expected, theirs)
+    assert torch.equal(gathered, expected)
+    assert not torch.equal(gathered[:5], gathered[5:10]), "every rank's shard differs"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_direct_reduce_scatter_and_all_gather(world: int) -> None:
+    run_ranks(_direct_starters, world)

@@ -18,7 +18,9 @@ from dcomm.core.collectives import (
     reduce_scatter_single,
     reduced_by_nccl,
     resolve_group,
+    start_all_gather,
     start_allreduce,
+    start_reduce_scatter,
 )
 from dcomm.core.divide_factors import divide_factors
 from dcomm.core.groups import host_identity, intra_node_subgroups, local_world_size, node_layout, subgroups_of_size
@@ -67,7 +69,9 @@ __all__ = [
     "reduce_scatter_single",
     "reduced_by_nccl",
     "resolve_group",
+    "start_all_gather",
     "start_allreduce",
+    "start_reduce_scatter",
     "subgroups_of_size",
     "warn_once",
 ]

@@ -27,7 +27,9 @@ __all__ = [
     "reduce_scatter_future",
     "reduce_scatter_single",
     "resolve_group",
+    "start_all_gather",
     "start_allreduce",
+    "start_reduce_scatter",
 ]
 
 
@@ -170,6 +172,42 @@ def start_allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)
     return group.allreduce([tensor], _SUM)
+
+
+def _reduce_scatter_sum_options() -> Any:
+    options = dist.ReduceScatterOptions()
+    options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # stub: ReduceOp, value: RedOpType
+    return options
+
+
+_RS_SUM = _reduce_scatter_sum_options()
+_ALLGATHER = torch._C._distributed_c10d.AllgatherOptions()
+
+
+def start_reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    """Start summing the flat ``tensor`` over ``group`` into this rank's ``output``; return the work.
+
+    Like :func:`start_allreduce`, a direct call on the process group (no ``dist`` wrapper checks,
+    no future): ZeRO overlap pays it once per shard on the backward pass. ``tensor.numel()`` is
+    ``output.numel()`` times the group size; the group must contain this process.
+
+    Example::
+
+        >>> start_reduce_scatter(shard, flat, dist.group.WORLD).wait()  # doctest: +SKIP
+    """
+    return group._reduce_scatter_base(output, tensor, _RS_SUM)
+
+
+def start_all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+    """Start gathering every rank's ``tensor`` into the flat ``output``; return the work.
+
+    The direct-call counterpart of :func:`all_gather_single`.
+
+    Example::
+
+        >>> start_all_gather(flat, shard, dist.group.WORLD).wait()  # doctest: +SKIP
+    """
+    return group._allgather_base(output, tensor, _ALLGATHER)
 
 
 def _divided_in_place(fut: torch.futures.Future, tensor: torch.Tensor, postdivide: float) -> torch.Tensor:

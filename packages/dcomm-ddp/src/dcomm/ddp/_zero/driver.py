@@ -28,6 +28,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import dcomm.ddp._torch_private as private
+from dcomm.core import all_gather_single, start_all_gather
 from dcomm.ddp._zero.layout import partition
 from dcomm.ddp._zero.step_mode import Calibration
 
@@ -61,9 +62,8 @@ def averaged_bucket(value: object, numel: int) -> torch.Tensor:
 
 
 def all_gather(output: torch.Tensor, piece: torch.Tensor, group: dist.ProcessGroup) -> Any:
-    """Asynchronous ``all_gather_into_tensor`` (``all_gather_single`` from torch 2.13 on)."""
-    op = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return op(output, piece, group=group, async_op=True)
+    """Asynchronous all-gather of every rank's ``piece`` into ``output`` (a direct process group call)."""
+    return start_all_gather(output, piece, group)
 
 
 def all_gathers(pairs: list[tuple[torch.Tensor, torch.Tensor]], group: dist.ProcessGroup) -> list[Any]:
@@ -77,7 +77,8 @@ def all_gathers(pairs: list[tuple[torch.Tensor, torch.Tensor]], group: dist.Proc
         return [all_gather(output, piece, group) for output, piece in pairs]
     with manager(group=group, async_ops=True) as coalesced:
         for output, piece in pairs:
-            all_gather(output, piece, group)
+            # Through torch's function: the coalescing manager collects the calls made through it.
+            all_gather_single(output, piece, group, async_op=True)
     return [coalesced]
 
 

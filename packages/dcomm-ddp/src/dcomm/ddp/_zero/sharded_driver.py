@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 import dcomm.ddp._torch_private as private
-from dcomm.core import reduce_scatter_future, warn_once
+from dcomm.core import start_reduce_scatter, warn_once
 from dcomm.ddp._zero import checkpoint
 from dcomm.ddp._zero.driver import Driver, Setup, all_gather, all_gathers, optimizer_class
 from dcomm.ddp._zero.layout import Shard, pack_shards
@@ -68,7 +68,7 @@ class _Pending:
     plan: _Plan
     fut: torch.futures.Future  # what DDP gets
     ready: list[Shard]  # shards whose whole gradient has arrived with this bucket
-    scattered: list[torch.futures.Future]  # their reduce-scatters, in the same order
+    scattered: list[dist.Work]  # their reduce-scatters, in the same order
     stepped: bool = False
 
 
@@ -146,7 +146,7 @@ class ShardedDriver(Driver):
             for source, target in zip(sources, targets, strict=True):
                 torch.div(source, self.world, out=target)  # divide before the cast, as the hooks do
 
-    def _scatter(self, plan: _Plan, buffer: torch.Tensor) -> tuple[list[Shard], list[torch.futures.Future]]:
+    def _scatter(self, plan: _Plan, buffer: torch.Tensor) -> tuple[list[Shard], list[dist.Work]]:
         """Put the bucket's pieces into their shards; reduce-scatter each shard now complete."""
         ready, scattered = [], []
         for piece in plan.pieces:
@@ -156,7 +156,7 @@ class ShardedDriver(Driver):
             if shard.seen == len(shard.params):
                 shard.seen = 0
                 ready.append(shard)
-                scattered.append(reduce_scatter_future(shard.recv, shard.send, self.group))
+                scattered.append(start_reduce_scatter(shard.recv, shard.send, self.group))
         return ready, scattered
 
     def _warn_uncovered(self, bucket: dist.GradBucket, plan: _Plan) -> None:

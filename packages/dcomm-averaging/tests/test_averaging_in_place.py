@@ -272,3 +272,47 @@ def test_overlap() -> None:
     assert _overlap([flat[0:20], flat[2:3], flat[15:16]])
     assert _overlap([flat.view(4, 5)[1].view(-1), flat.view(-1)])
     assert not _overlap([torch.zeros(5), torch.zeros(5)])
+
+
+def _recipe_checks(rank: int, world: int) -> None:
+    """A call's checks and path decisions are reused only while the same parameters keep their storage."""
+    everyone = list(range(world))
+    prepared: list[int] = []
+    real = impl._prepare
+
+    def counting(*args: Any) -> Any:
+        prepared.append(1)
+        return real(*args)
+
+    impl._prepare = counting  # type: ignore[assignment]
+    try:
+        for path in (True, False):  # in place (forced) and the buckets
+            params = make_params(rank, SPECS, seed=31)
+            paths = impl._Paths(in_place=path)
+            prepared.clear()
+            for _ in range(3):
+                impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, paths)
+            assert len(prepared) == 1, "the same parameters were prepared again"
+            assert_averaged(params, exact_mean(everyone, SPECS, seed=31))
+            # New storage for one parameter (float32 -> float64): prepared anew, averaged right.
+            fresh = make_params(rank, SPECS, seed=32)
+            assert params[0].dtype == torch.float32
+            params[0].data = fresh[0].detach().to(torch.float64)
+            impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, paths)
+            assert len(prepared) == 2
+            mean = exact_mean(everyone, SPECS, seed=32)[0]
+            torch.testing.assert_close(params[0].detach(), mean, rtol=1e-6, atol=1e-6)
+            # Another list (one parameter fewer): prepared anew.
+            impl._average_parameters(params[:-1], None, impl.DEFAULT_BUCKET_CAP_MB, paths)
+            assert len(prepared) == 3
+        # A bad parameter still raises on every call, before any collective.
+        bad = [torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))]
+        for _ in range(2):
+            with pytest.raises(ValueError, match="complex"):
+                average_parameters(bad, None)
+    finally:
+        impl._prepare = real  # type: ignore[assignment]
+
+
+def test_recipe_reused_while_parameters_keep_their_storage() -> None:
+    run_ranks(_recipe_checks, 2)

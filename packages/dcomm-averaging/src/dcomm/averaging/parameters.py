@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -170,25 +170,33 @@ def _dense(param: torch.Tensor) -> torch.Tensor:
     return param if param.is_contiguous() else _flat_view(param)
 
 
-def _merge_adjacent(tensors: list[torch.Tensor], spans: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """Join consecutive dense tensors that lie back to back in one storage into one 1-D view.
+def _adjacent_runs(tensors: list[torch.Tensor], spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(start, count)`` of each run of consecutive dense tensors that lie back to back in one storage.
 
     ``spans`` are the tensors' ``(address, bytes)``. Parameters carved out of one flat buffer (a
     flattened model) then cost one allreduce, at the full bandwidth of a raw allreduce of the
     same bytes, instead of one each.
     """
-    merged: list[torch.Tensor] = []
-    run: list[torch.Tensor] = []
+    runs: list[tuple[int, int]] = []
     run_end = 0
-    for tensor, (address, nbytes) in zip(tensors, spans, strict=True):
-        if run and not (address == run_end and _same_storage(run[-1], tensor)):
-            merged.append(_span(run))
-            run = []
-        run.append(tensor)
+    for index, (tensor, (address, nbytes)) in enumerate(zip(tensors, spans, strict=True)):
+        if runs and address == run_end and _same_storage(tensors[index - 1], tensor):
+            start, count = runs[-1]
+            runs[-1] = (start, count + 1)
+        else:
+            runs.append((index, 1))
         run_end = address + nbytes
-    if run:
-        merged.append(_span(run))
-    return merged
+    return runs
+
+
+def _merged(tensors: list[torch.Tensor], runs: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """One tensor per run: the tensor itself, or one 1-D view over the run's back-to-back tensors."""
+    return [_span(tensors[start : start + count]) for start, count in runs]
+
+
+def _merge_adjacent(tensors: list[torch.Tensor], spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Join consecutive dense tensors that lie back to back in one storage into one 1-D view."""
+    return _merged(tensors, _adjacent_runs(tensors, spans))
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -344,60 +352,104 @@ def _checked(param: torch.Tensor) -> None:
 
 
 def _by_device(
-    params: Iterable[torch.Tensor], group: dist.ProcessGroup
-) -> tuple[dict[torch.device, list[list[torch.Tensor]]], list[torch.Tensor]]:
-    """The floating-point parameters grouped by device, then dtype, each checked; the integer ones.
+    params: list[torch.Tensor], group: dist.ProcessGroup
+) -> tuple[dict[torch.device, list[list[int]]], list[int]]:
+    """Indices of the floating-point parameters by device, then dtype, each checked; of the integer ones.
 
     Raises ``ValueError`` on this rank, before any collective, for an empty ``params`` (torch
     raises there too) or a parameter that cannot be averaged (sparse, meta, complex, CPU on NCCL).
     Integer and bool tensors (BatchNorm's ``num_batches_tracked``) go to :func:`_average_integers`.
     """
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    integers: list[torch.Tensor] = []
-    seen: set[int] = set()
-    count = 0
-    for param in params:
-        count += 1
-        _checked(param)
-        if id(param) in seen or param.numel() == 0:
-            continue
-        seen.add(id(param))
-        if not param.is_floating_point():
-            integers.append(param.detach())
-            continue
-        by_kind.setdefault((param.device, param.dtype), []).append(param)
-    if count == 0:
+    if not params:
         raise ValueError(
             "params: got no parameters on this rank, so its peers would wait for it in the allreduce; "
             "pass the same non-empty parameters on every rank of the group (for param groups, only "
             "parameters with a gradient are averaged: call it after backward)"
         )
-    for device in {device for device, _ in by_kind} | {t.device for t in integers}:
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    integers: list[int] = []
+    seen: set[int] = set()
+    for index, param in enumerate(params):
+        _checked(param)
+        if id(param) in seen or param.numel() == 0:
+            continue
+        seen.add(id(param))
+        if not param.is_floating_point():
+            integers.append(index)
+            continue
+        by_kind.setdefault((param.device, param.dtype), []).append(index)
+    for device in {device for device, _ in by_kind} | {params[i].device for i in integers}:
         _check_device(device, group)  # once per device: a c10d query per parameter costs host time
-    by_device: dict[torch.device, list[list[torch.Tensor]]] = {}
-    for (device, _), tensors in by_kind.items():
-        by_device.setdefault(device, []).append(tensors)
+    by_device: dict[torch.device, list[list[int]]] = {}
+    for (device, _), indices in by_kind.items():
+        by_device.setdefault(device, []).append(indices)
     return by_device, integers
 
 
+class _DeviceRecipe(NamedTuple):
+    """One device's parameters: indices per dtype, and for the in-place path their back-to-back runs."""
+
+    device: torch.device
+    groups: list[list[int]]
+    runs: list[list[tuple[int, int]]] | None  # None: the bucket path
+
+
+class _Recipe(NamedTuple):
+    """What :func:`_prepare` decided for one list of parameters: indices only, never a tensor."""
+
+    key: tuple[Any, ...] | None
+    devices: list[_DeviceRecipe]
+    integers: list[int]
+
+
+_LAST_RECIPE: dict[int, _Recipe] = {}
+"""Per process group, the recipe of the last call (a periodic averager passes the same parameters)."""
+
+
+def _call_key(params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Paths) -> tuple[Any, ...] | None:
+    """What must not change for a recipe to hold: the parameters, their storage and dtype, the path choice.
+
+    None when a parameter has no storage address (sparse): such calls are prepared every time.
+    """
+    try:
+        return (id(group), paths.in_place, tuple((id(p), p.data_ptr(), p.dtype) for p in params))
+    except RuntimeError:
+        return None
+
+
+def _prepare(
+    params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Paths, key: tuple[Any, ...] | None
+) -> _Recipe:
+    """Check every parameter and decide each device's path (raises before any collective)."""
+    by_device, integers = _by_device(params, group)
+    devices = []
+    for device, groups in by_device.items():
+        runs = None
+        in_place = reduced_by_nccl(group, device) if paths.in_place is None else paths.in_place
+        if in_place:
+            tensors = [[_dense(params[i]) for i in indices] for indices in groups]
+            spans = [[(t.data_ptr(), t.nbytes) for t in ts] for ts in tensors]
+            if not _overlap([span for group_spans in spans for span in group_spans]):
+                runs = [_adjacent_runs(ts, sp) for ts, sp in zip(tensors, spans, strict=True)]
+        devices.append(_DeviceRecipe(device, groups, runs))
+    return _Recipe(key, devices, integers)
+
+
 def _average_on_device(
-    device: torch.device, groups: list[list[torch.Tensor]], group: dist.ProcessGroup, cap_bytes: float, paths: _Paths
+    recipe: _DeviceRecipe, params: list[torch.Tensor], group: dist.ProcessGroup, cap_bytes: float, paths: _Paths
 ) -> None:
     """Average one device's parameters (one list per dtype) in place, or else through buckets."""
-    groups = [[_dense(p) for p in ps] for ps in groups]
-    in_place = reduced_by_nccl(group, device) if paths.in_place is None else paths.in_place
-    if in_place:
-        spans = [[(t.data_ptr(), t.nbytes) for t in ts] for ts in groups]
-        if not _overlap([span for group_spans in spans for span in group_spans]):
-            for tensors, group_spans in zip(groups, spans, strict=True):
-                merged = _merge_adjacent(tensors, group_spans)
-                if paths.on_in_place is not None:
-                    paths.on_in_place(merged)
-                _average_in_place(merged, group, paths.launch_max_tensors, paths.pack_max_bytes)
-            return
+    groups = [[_dense(params[i]) for i in indices] for indices in recipe.groups]
+    if recipe.runs is not None:
+        for tensors, runs in zip(groups, recipe.runs, strict=True):
+            merged = _merged(tensors, runs)
+            if paths.on_in_place is not None:
+                paths.on_in_place(merged)
+            _average_in_place(merged, group, paths.launch_max_tensors, paths.pack_max_bytes)
+        return
     flat_groups = [[t if t.dim() == 1 else t.view(-1) for t in ts] for ts in groups]
     staging = _Staging(
-        device,
+        recipe.device,
         max(sum(f.numel() for f in flats) * flats[0].element_size() for flats in flat_groups),
         max(flats[0].element_size() for flats in flat_groups),
         cap_bytes,
@@ -412,17 +464,28 @@ def _average_parameters(
     bucket_cap_mb: float,
     paths: _Paths | None = None,
 ) -> None:
-    """:func:`average_parameters` with its paths chosen by ``paths``."""
+    """:func:`average_parameters` with its paths chosen by ``paths``.
+
+    The checks and path decisions of a call are kept (as indices) and reused while the next call
+    passes the same parameters with the same storage: a periodic averager pays them once.
+    """
     cap_bytes = _check_bucket_cap_mb(bucket_cap_mb) * 2**20
     group = resolve_group(process_group)
     if dist.get_rank(group) < 0:  # not a member: nothing to average here
         return
-    by_device, integers = _by_device(params, group)
+    paths = paths or _Paths()
+    params = list(params)
+    key = _call_key(params, group, paths)
+    recipe = _LAST_RECIPE.get(id(group))
+    if recipe is None or key is None or recipe.key != key:
+        recipe = _prepare(params, group, paths, key)
+        if key is not None:
+            _LAST_RECIPE[id(group)] = recipe
     with torch.no_grad():
-        for device, groups in by_device.items():
-            _average_on_device(device, groups, group, cap_bytes, paths or _Paths())
-        if integers:
-            _average_integers(integers, group)
+        for device_recipe in recipe.devices:
+            _average_on_device(device_recipe, params, group, cap_bytes, paths)
+        if recipe.integers:
+            _average_integers([params[i].detach() for i in recipe.integers], group)
 
 
 def average_parameters(

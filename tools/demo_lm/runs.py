@@ -264,14 +264,20 @@ def fully_shard_bf16(impl: str) -> Builder:
     return build
 
 
-def diloco(ctx: Context) -> Trainee:
+def diloco(compression: str | None) -> Builder:
     """DiLoCo: local AdamW steps, every ``diloco_every`` steps an outer Nesterov SGD step on the
-    averaged parameter change. No DDP: nothing is communicated between synchronisations."""
-    optimizer_class = _load("dcomm.averaging:DiLoCoOptimizer")
-    model = ctx.new_model()
-    inner = ctx.adamw(model.parameters())
-    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-    return optimizer_trainee(model, optimizer_class(inner, outer, sync_every=ctx.config.diloco_every))
+    averaged parameter change (sent as ``compression`` codes, or fp32). No DDP: nothing is
+    communicated between synchronisations."""
+
+    def build(ctx: Context) -> Trainee:
+        optimizer_class = _load("dcomm.averaging:DiLoCoOptimizer")
+        model = ctx.new_model()
+        inner = ctx.adamw(model.parameters())
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        sync_every = ctx.config.diloco_every
+        return optimizer_trainee(model, optimizer_class(inner, outer, sync_every=sync_every, compression=compression))
+
+    return build
 
 
 BASELINE = "DDP built-in allreduce"
@@ -290,6 +296,7 @@ ALGORITHMS: dict[str, dict[str, Builder]] = {
     "ZeRO overlap: hook_with_zero_step_interleaved": zero_overlap("hook_with_zero_step_interleaved"),
     "FSDP bf16_compress_hook": {impl: fsdp_bf16(impl) for impl in ("dcomm", "torch")},
     "fully_shard bf16 reduction": {impl: fully_shard_bf16(impl) for impl in ("dcomm", "torch")},
-    "DiLoCo": {"dcomm": diloco},
+    "DiLoCo": {"dcomm": diloco(None)},
+    "DiLoCo int8": {"dcomm": diloco("int8")},
 }
 """Every run of the demo, in the order it runs: algorithm -> implementation -> builder."""

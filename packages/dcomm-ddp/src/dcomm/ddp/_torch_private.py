@@ -116,6 +116,16 @@ def foreach_copy() -> Callable[..., Any] | None:
     return getattr(torch, "_foreach_copy_", None)
 
 
+def foreach_div_(tensors: list[torch.Tensor], divisor: float) -> None:
+    """Divide every tensor in place: ``torch._foreach_div_`` (one launch), or one division each."""
+    divide = getattr(torch, "_foreach_div_", None)
+    if divide is None:
+        for tensor in tensors:
+            tensor.div_(divisor)
+        return
+    divide(tensors, divisor)
+
+
 # -- DistributedDataParallel ---------------------------------------------------------------------
 
 

@@ -141,7 +141,7 @@ class ShardedDriver(Driver):
         copy = private.foreach_copy()
         if copy is not None and buffer.dtype == send.dtype:
             copy(targets, sources)  # then the division in place: the same values as torch.div
-            torch._foreach_div_(targets, self.world)
+            private.foreach_div_(targets, self.world)
         else:
             for source, target in zip(sources, targets, strict=True):
                 torch.div(source, self.world, out=target)  # divide before the cast, as the hooks do

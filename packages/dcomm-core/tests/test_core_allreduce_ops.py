@@ -14,7 +14,8 @@ R = dist.ReduceOp
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INTEGERS = (torch.uint8, torch.int8, torch.int32, torch.int64, torch.bool)
 COMPLEX = (torch.complex64, torch.complex128)
-# What gloo reduces (AVG too on torch >= 2.13; older gloo refuses it, and so must we).
+# What gloo reduces (AVG too on torch >= 2.13; older gloo refuses it, as it refuses PREMUL_SUM, and
+# then dcomm's direct path must refuse it the same way).
 GLOO_REDUCES = {
     "SUM": FLOATS + INTEGERS + COMPLEX,
     "PRODUCT": FLOATS + INTEGERS,
@@ -47,8 +48,8 @@ def outcome(reduce: object, tensor: torch.Tensor) -> torch.Tensor | str:
 
 def _every_gloo_op(rank: int, world: int) -> list[str]:
     compared = []
-    for name in (*GLOO_REDUCES, "AVG"):
-        op = getattr(R, name)
+    ops = {name: getattr(R, name) for name in (*GLOO_REDUCES, "AVG")} | {"PREMUL_SUM": make_nccl_premul_sum(0.5)}
+    for name, op in ops.items():
         for dtype in FLOATS + INTEGERS + COMPLEX:
             if name in REAL_ONLY and dtype.is_complex:
                 continue  # refused below

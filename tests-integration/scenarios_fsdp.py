@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -47,7 +48,7 @@ from dcomm.fsdp import (
     register_comm_hook,
     use_low_precision_reduction,
 )
-from dcomm_testing import cpu_record_stream_is_noop
+from dcomm_testing import assert_close, cpu_record_stream_is_noop, seeded_mlp
 
 STEPS = 3
 TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -60,8 +61,7 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _net() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 33), nn.Tanh(), nn.Linear(33, 4))  # 561 + 136 numel: padded
+    return seeded_mlp(16, 33, 4)  # 561 + 136 numel: padded
 
 
 def _sgd_train(
@@ -92,14 +92,8 @@ def _train_fsdp(strategy: ShardingStrategy, state: object, hook: object) -> tupl
     return params, grads
 
 
-def _close(ours: list[torch.Tensor], ref: list[torch.Tensor], tol: float, what: str) -> None:
-    assert len(ours) == len(ref) > 0, what
-    for a, b in zip(ours, ref, strict=True):
-        assert a.dtype == torch.float32, (what, a.dtype)
-        b = b.to(a.device, torch.float64)
-        torch.testing.assert_close(
-            a.double(), b, rtol=tol, atol=tol * b.abs().max().item(), msg=lambda m: f"{what}: {m}"
-        )
+_close = functools.partial(assert_close, dtype=torch.float32)
+"""Close within ``tol`` of the reference's largest value; ours always float32."""
 
 
 @scenario(min_world_size=2)

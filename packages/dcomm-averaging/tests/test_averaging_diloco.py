@@ -19,7 +19,7 @@ import torch
 
 from dcomm.averaging import DiLoCoOptimizer
 from dcomm.averaging._diloco.fragments import split_bytes, sync_offsets
-from dcomm_testing import run_ranks
+from dcomm_testing import run_ranks, seeded_mlp
 
 # Relative tolerance on 3 ranks, where gloo may sum the three deltas in another order.
 RTOL = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -28,9 +28,7 @@ FRAGMENTS = {1: [[0, 1, 2, 3, 4, 5]], 2: [[0, 1, 2], [3, 4, 5]], 3: [[0, 1], [2,
 
 
 def make_model(seed: int, dtype: torch.dtype) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    layers = [torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4)]
-    return torch.nn.Sequential(*layers).to(dtype)
+    return seeded_mlp(4, 4, 4, 4, seed=seed, dtype=dtype)
 
 
 def make_optimizers(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:

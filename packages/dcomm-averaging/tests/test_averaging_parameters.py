@@ -24,7 +24,7 @@ from dcomm.averaging import (
     average_parameters_or_parameter_groups,
     get_params_to_average,
 )
-from dcomm_testing import run_ranks
+from dcomm_testing import run_ranks, seeded_normal
 
 TOL = {
     torch.float64: 1e-12,
@@ -49,8 +49,7 @@ SPECS: list[tuple[tuple[int, ...], torch.dtype, bool]] = [
 
 def rank_values(rank: int, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """float64 values that differ on every rank."""
-    gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    return torch.randn(shape, generator=gen, dtype=torch.float64) * (rank + 1)
+    return seeded_normal(seed * 1000 + rank, shape, scale=rank + 1)
 
 
 def make_params(rank: int, specs: Any = SPECS, seed: int = 0) -> list[torch.nn.Parameter]:

@@ -9,8 +9,6 @@ import copy
 import functools
 import inspect
 import io
-import multiprocessing.forkserver
-import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -24,39 +22,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import dcomm.ddp
 from dcomm.ddp import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from dcomm.ddp._seed_stream import SeedStream
-from dcomm_testing import assert_close, assert_same_on_ranks, run_ranks
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _preload_ddp_in_forkserver() -> None:
-    if sys.platform.startswith("linux"):
-        multiprocessing.forkserver.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
-        multiprocessing.forkserver.ensure_running()
-
+from dcomm_testing import assert_close, assert_same_on_ranks, rank_device, run_ranks, seeded_batch, seeded_mlp
 
 STEPS = 6
 TIMEOUT = 240.0
 
 
-def device() -> torch.device:
-    """CUDA on NCCL ranks, else CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def make_model() -> nn.Module:
-    torch.manual_seed(0)
     # Two 24x24 weights (same shape: batched when asked), a 16x24 and a 24x3 one; biases and the
     # 24x3 weight are too small to compress at rank >= 2 and go uncompressed.
-    return nn.Sequential(
-        nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 3)
-    ).to(device())
+    return seeded_mlp(16, 24, 24, 24, 3, device=rank_device())
 
 
 def batch(rank: int, step: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(10_000 * step + rank)
-    return (torch.randn(8, 16, generator=gen) * (rank + 1)).to(device())
+    return seeded_batch(rank, step, (8, 16), draw=torch.float32).to(rank_device())
 
 
 class Run:

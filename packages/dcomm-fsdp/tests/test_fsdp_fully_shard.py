@@ -18,6 +18,7 @@ target has no backward before torch 2.12: "Found dtype Float but expected BFloat
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 
@@ -31,7 +32,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 import dcomm.fsdp.fully_shard as fully_shard_module
 from dcomm.core import divide_factors
 from dcomm.fsdp import LowPrecisionReduceScatter, low_precision_mp_policy, use_low_precision_reduction
-from dcomm_testing import run_ranks
+from dcomm_testing import assert_close, run_ranks, seeded_mlp
 
 STEPS = 3
 TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -49,10 +50,7 @@ def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def build(mp_policy: MixedPrecisionPolicy | None = None) -> tuple[nn.Module, nn.Module]:
     """(a fully_shard model on a CPU mesh, an unsharded float64 copy with the same weights)."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 5))
-    ref = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 5)).double()
-    ref.load_state_dict(net.state_dict())
+    net, ref = seeded_mlp(6, 9, 5), seeded_mlp(6, 9, 5, dtype=torch.float64)
     kwargs: dict = {"mesh": cpu_mesh()}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
@@ -89,14 +87,8 @@ def train(net: nn.Module, rank: int) -> tuple[list[torch.Tensor], list[torch.Ten
     return first, [p.detach().full_tensor() for p in net.parameters()]
 
 
-def assert_close(ours: list[torch.Tensor], ref: list[torch.Tensor], tol: float, what: str) -> None:
-    assert len(ours) == len(ref) > 0
-    for a, b in zip(ours, ref, strict=True):
-        assert a.dtype == torch.float32, (what, a.dtype)
-        b = b.to(torch.float64)
-        torch.testing.assert_close(
-            a.double(), b, rtol=tol, atol=tol * b.abs().max().item(), msg=lambda m: f"{what}: {m}"
-        )
+assert_fp32_close = functools.partial(assert_close, dtype=torch.float32)
+"""Close within ``tol`` of the reference's largest value; ours always float32."""
 
 
 def train_spied(net: nn.Module, rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.dtype]]:
@@ -158,7 +150,7 @@ def _fully_shard(rank: int, world: int) -> None:
     net, ref = build()
     exact = exact_mean_grads(ref, world)
     fp32_grads, fp32_params = train(net, rank)
-    assert_close(fp32_grads, exact, 1e-6, "fp32 fully_shard")
+    assert_fp32_close(fp32_grads, exact, 1e-6, "fp32 fully_shard")
 
     for dtype, tol in TOL.items():
         for mp in (None, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)):
@@ -171,9 +163,9 @@ def _fully_shard(rank: int, world: int) -> None:
             # Both FSDP units reduced through dcomm, every step, on input FSDP2 had already cast.
             assert calls == [dtype] * (2 * STEPS), (what, calls)
             grad_tol = tol if mp is None else 2e-2  # bf16 compute dominates the error
-            assert_close(grads, exact, grad_tol, f"{what} gradients vs float64 mean")
+            assert_fp32_close(grads, exact, grad_tol, f"{what} gradients vs float64 mean")
             if mp is None:
-                assert_close(params, fp32_params, tol, f"{what} parameters vs float32 reduction")
+                assert_fp32_close(params, fp32_params, tol, f"{what} parameters vs float32 reduction")
                 # The reduction really ran in low precision.
                 assert any(not torch.equal(a, b) for a, b in zip(grads, fp32_grads, strict=True)), what
 
@@ -194,7 +186,7 @@ def _fully_shard(rank: int, world: int) -> None:
         use_low_precision_reduction(net, dtype)
         grads, _, calls = train_spied(net, rank)
         assert calls == [dtype] * (2 * STEPS), (f"{dtype} after lazy init", calls)
-        assert_close(grads, exact, tol, f"{dtype} after lazy init: gradients vs float64 mean")
+        assert_fp32_close(grads, exact, tol, f"{dtype} after lazy init: gradients vs float64 mean")
 
         # Where the reduce dtype cannot be set, the reduce-scatter casts by itself: correct, warns once.
         real_set = fully_shard_module._set_reduce_dtype
@@ -223,8 +215,8 @@ def _fully_shard(rank: int, world: int) -> None:
         assert len(warned) == (1 if rank == 0 else 0), warned  # once per process, on rank 0 only
         assert sum(rs.fallbacks for rs in instances.values()) == len(calls)  # every fallback counted
         assert calls == [torch.float32] * (2 * STEPS), (f"{dtype} fallback", calls)
-        assert_close(grads, exact, tol, f"{dtype} fallback: gradients vs float64 mean")
-        assert_close(params, fp32_params, tol, f"{dtype} fallback: parameters vs float32 reduction")
+        assert_fp32_close(grads, exact, tol, f"{dtype} fallback: gradients vs float64 mean")
+        assert_fp32_close(params, fp32_params, tol, f"{dtype} fallback: parameters vs float32 reduction")
 
     if world == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))

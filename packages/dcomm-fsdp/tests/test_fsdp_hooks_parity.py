@@ -28,7 +28,7 @@ from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 
 import dcomm.fsdp
 from dcomm.core import DefaultState, LowPrecisionState
-from dcomm_testing import cpu_record_stream_is_noop, run_ranks
+from dcomm_testing import assert_close, cpu_record_stream_is_noop, run_ranks, seeded_mlp
 
 STEPS = 3
 STRATEGIES = (ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD)
@@ -37,8 +37,7 @@ TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 def make_model(strategy: ShardingStrategy, mixed_precision: MixedPrecision | None = None) -> FSDP:
     """Same initial weights on every rank; an inner FSDP unit and a root unit (101 + 45 numel)."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5))
+    net = seeded_mlp(6, 8, 5)
     kwargs = {"sharding_strategy": strategy, "device_id": torch.device("cpu"), "mixed_precision": mixed_precision}
     net[0] = FSDP(net[0], **kwargs)
     return FSDP(net, **kwargs)
@@ -71,11 +70,8 @@ def trained(strategy: ShardingStrategy, state: object, hook: object, rank: int, 
 
 
 def assert_all_close(ours: list[torch.Tensor], theirs: list[torch.Tensor], rtol: float, what: str) -> None:
-    assert len(ours) == len(theirs) > 0, what
-    for a, b in zip(ours, theirs, strict=True):
-        assert a.dtype == b.dtype == torch.float32, (what, a.dtype, b.dtype)
-        scale = b.abs().max().item()
-        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{what}: {m}")
+    assert all(b.dtype == torch.float32 for b in theirs), what
+    assert_close(ours, theirs, rtol, what, dtype=torch.float32)
 
 
 def _parity(rank: int, world: int) -> None:

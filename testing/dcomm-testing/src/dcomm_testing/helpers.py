@@ -14,28 +14,99 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["assert_close", "cpu_record_stream_is_noop", "seeded_batch"]
+__all__ = [
+    "assert_close",
+    "assert_updates_close",
+    "cpu_record_stream_is_noop",
+    "rank_groups",
+    "seeded_batch",
+    "seeded_normal",
+    "spread_normal",
+]
+
+
+def seeded_normal(
+    seed: int,
+    shape: Sequence[int],
+    *,
+    scale: float = 1.0,
+    draw: torch.dtype = torch.float64,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Normal values from a fresh generator seeded with ``seed``, times ``scale``, as ``dtype``.
+
+    The values are drawn and scaled in ``draw`` (torch's generator gives other values in float32
+    than in float64), then cast to ``dtype`` (``draw`` when None).
+
+    Example::
+
+        >>> seeded_normal(1000 * rank + step, (6, 8), scale=rank + 1, draw=torch.float32)  # doctest: +SKIP
+    """
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randn(*shape, generator=gen, dtype=draw) * scale
+    return data if dtype is None else data.to(dtype)
 
 
 def seeded_batch(
-    rank: int, step: int, shape: Sequence[int], *, scale_by_rank: bool = True, dtype: torch.dtype = torch.float32
+    rank: int,
+    step: int,
+    shape: Sequence[int],
+    *,
+    scale_by_rank: bool = True,
+    dtype: torch.dtype = torch.float32,
+    draw: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """A normal batch different on every rank and step (scaled by ``rank + 1`` unless told not to).
+
+    It is :func:`seeded_normal` with the seed ``10_000 * step + rank``.
 
     Example::
 
         >>> seeded_batch(0, 0, (2,)).shape
         torch.Size([2])
     """
-    gen = torch.Generator().manual_seed(10_000 * step + rank)
-    data = torch.randn(*shape, generator=gen, dtype=torch.float64)
-    if scale_by_rank:
-        data = data * (rank + 1)
-    return data.to(dtype)
+    scale = rank + 1 if scale_by_rank else 1
+    return seeded_normal(10_000 * step + rank, shape, scale=scale, draw=draw, dtype=dtype)
 
 
-def assert_close(ours: Sequence[torch.Tensor], ref: Sequence[torch.Tensor], tol: float, what: str) -> None:
+def spread_normal(
+    seed: int,
+    numel: int,
+    decades: tuple[float, float],
+    *,
+    scale: float = 1.0,
+    shuffle: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``numel`` normal values whose magnitudes spread from ``10**decades[0]`` to ``10**decades[1]``.
+
+    The magnitudes are shuffled (unless ``shuffle`` is False) with the same generator that then
+    draws the values; everything is computed in float64 and cast to ``dtype`` at the end, so
+    block-quantization tests see blocks of very different scales.
+
+    Example::
+
+        >>> spread_normal(seed=rank, numel=4096, decades=(-3, 1), scale=rank + 1)  # doctest: +SKIP
+    """
+    gen = torch.Generator().manual_seed(seed)
+    magnitudes = torch.logspace(decades[0], decades[1], numel, dtype=torch.float64)
+    if shuffle:
+        magnitudes = magnitudes[torch.randperm(numel, generator=gen)]
+    return (torch.randn(numel, generator=gen, dtype=torch.float64) * magnitudes * scale).to(dtype)
+
+
+def assert_close(
+    ours: Sequence[torch.Tensor],
+    ref: Sequence[torch.Tensor],
+    tol: float,
+    what: str,
+    *,
+    dtype: torch.dtype | None = None,
+) -> None:
     """Equal tensors when ``tol`` is 0, else equal within ``tol`` relative to each reference's largest value.
+
+    ``dtype``, when given, is the dtype every tensor of ``ours`` must have. A reference on another
+    device is compared on ``ours``'s.
 
     Example::
 
@@ -43,14 +114,58 @@ def assert_close(ours: Sequence[torch.Tensor], ref: Sequence[torch.Tensor], tol:
     """
     assert len(ours) == len(ref) > 0, (what, len(ours), len(ref))
     for index, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        assert dtype is None or a.dtype == dtype, (what, index, a.dtype)
         if tol == 0:
             gap = (a.double() - b.double()).abs().max()
             assert torch.equal(a, b), f"{what}: tensor {index} differs: max |diff| {gap}"
             continue
-        b = b.to(torch.float64)
+        b = b.to(a.device, torch.float64)
         torch.testing.assert_close(
             a.double(), b, rtol=tol, atol=tol * b.abs().max().item(), msg=lambda m, i=index: f"{what}[{i}]: {m}"
         )
+
+
+def assert_updates_close(
+    ours: Sequence[torch.Tensor], ref: Sequence[torch.Tensor], initial: Sequence[torch.Tensor], rtol: float, what: str
+) -> None:
+    """Trained parameters whose changes from ``initial`` agree within ``rtol`` of the reference's change.
+
+    The error is measured against the largest change of each parameter tensor over the run, so
+    it is the relative error of the training updates, not hidden by the initial values; a
+    reference parameter that did not change fails.
+
+    Example::
+
+        >>> assert_updates_close(fp16_params, fp32_params, initial_params, 2.5e-3, "fp16 hook")  # doctest: +SKIP
+    """
+    for i, (a, b, start) in enumerate(zip(ours, ref, initial, strict=True)):
+        change = (b - start.detach()).abs().max().item()
+        assert change > 0, f"{what}: parameter {i} did not train"
+        error = (a - b).abs().max().item() / change
+        assert error <= rtol, f"{what}: parameter {i} off by {error:.2e} of its change, more than {rtol}"
+
+
+def rank_groups(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> list[list[int]]:
+    """The ranks of ``group`` (WORLD when None) grouped by bit-identical ``tensors``, e.g. ``[[0, 1], [2, 3]]``.
+
+    A collective; the ranks are group ranks, each group listed from its lowest rank.
+
+    Example::
+
+        >>> rank_groups(list(model.parameters())) == [list(range(world))]  # all replicas agree  # doctest: +SKIP
+    """
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, flat, group=group)
+    groups: list[list[int]] = []
+    for r, g in enumerate(gathered):
+        for same in groups:
+            if torch.equal(gathered[same[0]], g):
+                same.append(r)
+                break
+        else:
+            groups.append([r])
+    return groups
 
 
 def assert_same_on_ranks(tensors: Sequence[torch.Tensor], what: str, group: dist.ProcessGroup | None = None) -> None:

@@ -20,15 +20,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dcomm.averaging as dcomm_averaging
 from dcomm.core import intra_node_subgroups, reduced_by_nccl
-from dcomm_testing import implementation
+from dcomm_testing import implementation, seeded_pair
 
 WARMUP = 3
 STEPS = 9
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * rank + step)
-    x, y = torch.randn(5, 6, generator=gen), torch.rand(5, 3, generator=gen) * (rank + 1) * 0.5
+    x, y = seeded_pair(1000 * rank + step, (5, 6), (5, 3), y_scale=0.5 * (rank + 1), uniform_y=True)
     return x.to(device()), y.to(device())
 
 

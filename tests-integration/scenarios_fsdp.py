@@ -48,15 +48,14 @@ from dcomm.fsdp import (
     register_comm_hook,
     use_low_precision_reduction,
 )
-from dcomm_testing import assert_close, cpu_record_stream_is_noop, seeded_mlp
+from dcomm_testing import assert_close, cpu_record_stream_is_noop, seeded_mlp, seeded_pair
 
 STEPS = 3
 TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    x, y = torch.randn(8, 16, generator=gen) * (rank + 1), torch.randn(8, 4, generator=gen)
+    x, y = seeded_pair(1000 * step + rank, (8, 16), (8, 4), x_scale=rank + 1)
     return x.to(device()), y.to(device())
 
 

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dcomm.averaging as ours_lib
 from dcomm.core import intra_node_subgroups
-from dcomm_testing import implementation, run_ranks
+from dcomm_testing import implementation, run_ranks, seeded_pair
 
 WARMUP = 3
 STEPS = 10
@@ -40,8 +40,7 @@ def variants(world: int) -> list[tuple[str, Callable[[Any], Any], bool]]:
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(5, 6, generator=gen), torch.rand(5, 3, generator=gen) * 0.5 * (rank + 1)
+    return seeded_pair(1000 * rank + step, (5, 6), (5, 3), y_scale=0.5 * (rank + 1), uniform_y=True)
 
 
 class Run:

@@ -32,7 +32,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 import dcomm.fsdp.fully_shard as fully_shard_module
 from dcomm.core import divide_factors
 from dcomm.fsdp import LowPrecisionReduceScatter, low_precision_mp_policy, use_low_precision_reduction
-from dcomm_testing import assert_close, run_ranks, seeded_mlp
+from dcomm_testing import assert_close, run_ranks, seeded_mlp, seeded_pair
 
 STEPS = 3
 TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -60,8 +60,7 @@ def build(mp_policy: MixedPrecisionPolicy | None = None) -> tuple[nn.Module, nn.
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(4, 6, generator=gen) * (rank + 1), torch.randn(4, 5, generator=gen)
+    return seeded_pair(1000 * step + rank, (4, 6), (4, 5), x_scale=rank + 1)
 
 
 def exact_mean_grads(ref: nn.Module, world: int) -> list[torch.Tensor]:

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 
 import dcomm.fsdp
 from dcomm.core import DefaultState, LowPrecisionState
-from dcomm_testing import assert_close, cpu_record_stream_is_noop, run_ranks, seeded_mlp
+from dcomm_testing import assert_close, cpu_record_stream_is_noop, run_ranks, seeded_mlp, seeded_pair
 
 STEPS = 3
 STRATEGIES = (ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD)
@@ -44,8 +44,7 @@ def make_model(strategy: ShardingStrategy, mixed_precision: MixedPrecision | Non
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(4, 6, generator=gen) * (rank + 1), torch.randn(4, 5, generator=gen)
+    return seeded_pair(100 * step + rank, (4, 6), (4, 5), x_scale=rank + 1)
 
 
 def train(model: FSDP, rank: int, steps: int = STEPS) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dcomm.fsdp import QuantizedReduceScatter, use_quantized_reduction
-from dcomm_testing import quantization_half_step, run_ranks, seeded_mlp, spread_normal
+from dcomm_testing import quantization_half_step, run_ranks, seeded_mlp, seeded_pair, spread_normal
 
 TIMEOUT = 240.0
 BLOCK = 16
@@ -63,8 +63,7 @@ def _fully_shard(rank: int, world: int) -> None:
         exact = [torch.zeros_like(q) for q in ref.parameters()]
         largest = 0.0  # the largest value of any rank's local gradient: a bound on every block's maximum
         for r in range(world):
-            gen = torch.Generator().manual_seed(r)
-            x, y = torch.randn(4, 6, generator=gen) * (r + 1), torch.randn(4, 5, generator=gen)
+            x, y = seeded_pair(r, (4, 6), (4, 5), x_scale=r + 1)
             if r == rank:
                 nn.functional.mse_loss(net(x), y).backward()
             ref.zero_grad()

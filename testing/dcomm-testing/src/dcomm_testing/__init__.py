@@ -14,6 +14,7 @@ from dcomm_testing.helpers import (
     rank_groups,
     seeded_batch,
     seeded_normal,
+    seeded_pair,
     spread_normal,
 )
 from dcomm_testing.implementations import IMPLEMENTATIONS, implementation
@@ -39,5 +40,6 @@ __all__ = [
     "seeded_batch",
     "seeded_mlp",
     "seeded_normal",
+    "seeded_pair",
     "spread_normal",
 ]

@@ -21,6 +21,7 @@ __all__ = [
     "rank_groups",
     "seeded_batch",
     "seeded_normal",
+    "seeded_pair",
     "spread_normal",
 ]
 
@@ -67,6 +68,32 @@ def seeded_batch(
     """
     scale = rank + 1 if scale_by_rank else 1
     return seeded_normal(10_000 * step + rank, shape, scale=scale, draw=draw, dtype=dtype)
+
+
+def seeded_pair(
+    seed: int,
+    x_shape: Sequence[int],
+    y_shape: Sequence[int],
+    *,
+    x_scale: float = 1.0,
+    y_scale: float = 1.0,
+    uniform_y: bool = False,
+    draw: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets drawn in turn from one generator seeded with ``seed``, each times its scale.
+
+    ``x`` is normal; ``y`` normal too, or uniform in [0, 1) when ``uniform_y``. Drawn and scaled in
+    ``draw``, then cast to ``dtype`` (``draw`` when None).
+
+    Example::
+
+        >>> x, y = seeded_pair(1000 * rank + step, (5, 6), (5, 3), y_scale=rank + 1, uniform_y=True)  # doctest: +SKIP
+    """
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*x_shape, generator=gen, dtype=draw) * x_scale
+    y = (torch.rand if uniform_y else torch.randn)(*y_shape, generator=gen, dtype=draw) * y_scale
+    return (x, y) if dtype is None else (x.to(dtype), y.to(dtype))
 
 
 def spread_normal(

@@ -24,7 +24,7 @@ from dcomm.averaging import (
     average_parameters_or_parameter_groups,
     get_params_to_average,
 )
-from dcomm_testing import run_ranks, seeded_normal
+from dcomm_testing import device_synchronize_forbidden, run_ranks, seeded_normal
 
 TOL = {
     torch.float64: 1e-12,
@@ -164,15 +164,8 @@ def _average_parameters_checks(rank: int, world: int) -> None:
     assert mem.peak == (15 + 17 + 4) * 4
 
     # No device synchronize: nothing in average_parameters may call one.
-    def forbidden() -> None:
-        raise AssertionError("average_parameters synchronized the device")
-
-    saved = torch.cuda.synchronize, torch.accelerator.synchronize
-    torch.cuda.synchronize = torch.accelerator.synchronize = forbidden  # type: ignore[assignment]
-    try:
+    with device_synchronize_forbidden("average_parameters"):
         average_parameters(make_params(rank), None, bucket_cap_mb=64 / MIB)
-    finally:
-        torch.cuda.synchronize, torch.accelerator.synchronize = saved
 
     # Parameters without a gradient are skipped, in modules and in param groups, as torch does.
     torch.manual_seed(0)

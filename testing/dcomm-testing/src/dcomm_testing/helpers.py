@@ -18,6 +18,7 @@ __all__ = [
     "assert_close",
     "assert_updates_close",
     "cpu_record_stream_is_noop",
+    "device_synchronize_forbidden",
     "rank_groups",
     "seeded_batch",
     "seeded_normal",
@@ -206,6 +207,30 @@ def assert_same_on_ranks(tensors: Sequence[torch.Tensor], what: str, group: dist
         gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, tensor, group=group)
         assert all(torch.equal(g, gathered[0]) for g in gathered), f"{what}: replicas differ"
+
+
+@contextlib.contextmanager
+def device_synchronize_forbidden(what: str) -> Iterator[None]:
+    """Inside the block, ``torch.cuda.synchronize`` and ``torch.accelerator.synchronize`` raise ``AssertionError``.
+
+    For code that must never wait for the device (``what`` names it in the error); both are
+    restored on leaving.
+
+    Example::
+
+        >>> with device_synchronize_forbidden("average_parameters"):  # doctest: +SKIP
+        ...     average_parameters(params, None)
+    """
+
+    def forbidden(*_: object, **__: object) -> None:
+        raise AssertionError(f"{what} synchronized the device")
+
+    saved = torch.cuda.synchronize, torch.accelerator.synchronize
+    torch.cuda.synchronize = torch.accelerator.synchronize = forbidden  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.accelerator.synchronize = saved
 
 
 def cpu_record_stream_is_noop() -> contextlib.AbstractContextManager[None]:

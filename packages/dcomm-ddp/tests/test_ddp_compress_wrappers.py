@@ -7,12 +7,13 @@ back), so the parameters equal torch's bit for bit; against a float32 allreduce 
 3 rounds in fp16 too).
 """
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_plsgd
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dcomm.ddp import (
     PostLocalSGDState,
@@ -21,7 +22,15 @@ from dcomm.ddp import (
     fp16_compress_wrapper,
     post_localSGD_hook,
 )
-from dcomm_testing import assert_close, assert_same_on_ranks, assert_updates_close, run_ranks, seeded_batch, seeded_mlp
+from dcomm_testing import (
+    assert_close,
+    assert_same_on_ranks,
+    assert_updates_close,
+    run_ranks,
+    seeded_batch,
+    seeded_mlp,
+    train_ddp,
+)
 
 STEPS = 4
 RTOL = {torch.float16: 5e-3, torch.bfloat16: 2.5e-2}
@@ -30,15 +39,9 @@ BUCKET_CAPS = [0.0003] * 8  # several buckets per step
 
 def train(hook, state: object, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     rank = dist.get_rank()
-    net = seeded_mlp(6, 12, 3, dtype=dtype)
-    ddp = DDP(net, bucket_cap_mb_list=BUCKET_CAPS)
-    ddp.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    for step in range(STEPS):
-        opt.zero_grad()
-        ddp(seeded_batch(rank, step, (5, 6), draw=torch.float32, dtype=dtype)).pow(2).sum().backward()
-        opt.step()
-    return [p.detach().clone() for p in net.parameters()]
+    model = seeded_mlp(6, 12, 3, dtype=dtype)
+    batch = functools.partial(seeded_batch, rank, shape=(5, 6), draw=torch.float32, dtype=dtype)
+    return train_ddp(model, hook, state, batch, STEPS, bucket_cap_mb_list=BUCKET_CAPS)
 
 
 def torch_wrapper(dtype: torch.dtype, hook):

@@ -6,7 +6,6 @@ import io
 import pytest
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dcomm.ddp
 from dcomm.core.quantization import max_code
@@ -19,6 +18,7 @@ from dcomm_testing import (
     seeded_mlp,
     seeded_normal,
     spread_normal,
+    train_ddp,
 )
 
 TIMEOUT = 240.0
@@ -151,16 +151,12 @@ def test_bit_identical_resume() -> None:
 
 
 def _ddp_training(rank: int, world: int) -> None:
+    def batch(step: int) -> torch.Tensor:
+        return seeded_normal(100 * step + rank, (8, 16), scale=rank + 1, draw=torch.float32)
+
     def train(hook: object, state: object) -> list[torch.Tensor]:
-        net = seeded_mlp(16, 64, 64, 4)
-        ddp = DDP(net, bucket_cap_mb=0.01)  # several buckets in flight at once
-        ddp.register_comm_hook(state, hook)
-        opt = torch.optim.SGD(net.parameters(), lr=0.02, momentum=0.9)
-        for step in range(6):
-            opt.zero_grad()
-            ddp(seeded_normal(100 * step + rank, (8, 16), scale=rank + 1, draw=torch.float32)).pow(2).sum().backward()
-            opt.step()
-        return [p.detach().clone() for p in net.parameters()]
+        # bucket_cap_mb=0.01: several buckets in flight at once.
+        return train_ddp(seeded_mlp(16, 64, 64, 4), hook, state, batch, 6, lr=0.02, bucket_cap_mb=0.01)
 
     exact = train(dcomm.ddp.allreduce_hook, None)
     start = [p.detach().clone() for p in seeded_mlp(16, 64, 64, 4).parameters()]

@@ -22,6 +22,7 @@ from dcomm_testing.implementations import IMPLEMENTATIONS, implementation
 from dcomm_testing.models import BackwardOrderedMLP, flat_parameters, rank_device, seeded_mlp
 from dcomm_testing.quantization_bounds import block_scales, quantization_half_step
 from dcomm_testing.ranks import RankFailure, run_ranks
+from dcomm_testing.training import train_ddp
 
 __all__ = [
     "BackwardOrderedMLP",
@@ -44,4 +45,5 @@ __all__ = [
     "seeded_normal",
     "seeded_pair",
     "spread_normal",
+    "train_ddp",
 ]

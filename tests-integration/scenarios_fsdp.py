@@ -48,7 +48,7 @@ from dcomm.fsdp import (
     register_comm_hook,
     use_low_precision_reduction,
 )
-from dcomm_testing import assert_close, cpu_record_stream_is_noop, seeded_mlp, seeded_pair
+from dcomm_testing import assert_close, cpu_record_stream_is_noop, recorded_calls, seeded_mlp, seeded_pair, train_sgd
 
 STEPS = 3
 TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -67,16 +67,7 @@ def _sgd_train(
     model: nn.Module, whole: Callable[[torch.Tensor], torch.Tensor]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Train ``model`` for STEPS SGD steps: (first-step gradients, final parameters), each ``whole(t)``."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    grads: list[torch.Tensor] = []
-    for step in range(STEPS):
-        x, y = _batch(dist.get_rank(), step)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        if step == 0:
-            grads = [whole(p.grad) for p in model.parameters()]
-        opt.step()
-    return grads, [whole(p) for p in model.parameters()]
+    return train_sgd(model, functools.partial(_batch, dist.get_rank()), STEPS, keep=whole)
 
 
 def _train_fsdp(strategy: ShardingStrategy, state: object, hook: object) -> tuple[list[torch.Tensor], ...]:
@@ -124,6 +115,11 @@ def _mesh() -> DeviceMesh:
     return init_device_mesh(device().type, (dist.get_world_size(),))
 
 
+def _input_dtype(reducer: object, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.dtype:
+    """The input's dtype, from a ``LowPrecisionReduceScatter`` call's arguments."""
+    return (kwargs["input_tensor"] if "input_tensor" in kwargs else args[1]).dtype
+
+
 def _train_fully_shard(
     dtype: torch.dtype | None, policy_at_construction: bool = False
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.dtype]]:
@@ -135,18 +131,8 @@ def _train_fully_shard(
     fully_shard(net, mesh=mesh, **kwargs)
     if dtype is not None:
         use_low_precision_reduction(net, dtype)
-    calls: list[torch.dtype] = []
-    real_call = LowPrecisionReduceScatter.__call__
-
-    def spy(self, *args, **kw):  # type: ignore[no-untyped-def]
-        calls.append(kw["input_tensor"].dtype if "input_tensor" in kw else args[1].dtype)
-        return real_call(self, *args, **kw)
-
-    LowPrecisionReduceScatter.__call__ = spy  # type: ignore[method-assign]
-    try:
+    with recorded_calls(LowPrecisionReduceScatter, "__call__", _input_dtype) as calls:
         grads, params = _sgd_train(net, lambda t: t.detach().full_tensor())
-    finally:
-        LowPrecisionReduceScatter.__call__ = real_call  # type: ignore[method-assign]
     return grads, params, calls
 
 

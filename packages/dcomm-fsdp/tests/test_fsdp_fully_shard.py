@@ -32,7 +32,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 import dcomm.fsdp.fully_shard as fully_shard_module
 from dcomm.core import divide_factors
 from dcomm.fsdp import LowPrecisionReduceScatter, low_precision_mp_policy, use_low_precision_reduction
-from dcomm_testing import assert_close, run_ranks, seeded_mlp, seeded_pair
+from dcomm_testing import assert_close, recorded_calls, run_ranks, seeded_mlp, seeded_pair, train_sgd
 
 STEPS = 3
 TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -72,18 +72,14 @@ def exact_mean_grads(ref: nn.Module, world: int) -> list[torch.Tensor]:
     return [p.grad.clone() for p in ref.parameters()]
 
 
+def reduce_scatter_input_dtype(reducer: object, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.dtype:
+    """The input's dtype, from a ``LowPrecisionReduceScatter`` call's arguments."""
+    return (kwargs["input_tensor"] if "input_tensor" in kwargs else args[1]).dtype
+
+
 def train(net: nn.Module, rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(full first-step gradients, full parameters after STEPS SGD steps)."""
-    opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    first: list[torch.Tensor] = []
-    for step in range(STEPS):
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        loss(net(x), y).backward()
-        if step == 0:
-            first = [p.grad.full_tensor() for p in net.parameters()]
-        opt.step()
-    return first, [p.detach().full_tensor() for p in net.parameters()]
+    return train_sgd(net, functools.partial(batch, rank), STEPS, loss=loss, keep=lambda t: t.detach().full_tensor())
 
 
 assert_fp32_close = functools.partial(assert_close, dtype=torch.float32)
@@ -92,18 +88,8 @@ assert_fp32_close = functools.partial(assert_close, dtype=torch.float32)
 
 def train_spied(net: nn.Module, rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.dtype]]:
     """:func:`train`, also returning the dtype of every input LowPrecisionReduceScatter received."""
-    calls: list[torch.dtype] = []
-    real_call = LowPrecisionReduceScatter.__call__
-
-    def spy(self, *args, _real=real_call, **kw):  # type: ignore[no-untyped-def]
-        calls.append(kw["input_tensor"].dtype if "input_tensor" in kw else args[1].dtype)
-        return _real(self, *args, **kw)
-
-    LowPrecisionReduceScatter.__call__ = spy  # type: ignore[method-assign]
-    try:
+    with recorded_calls(LowPrecisionReduceScatter, "__call__", reduce_scatter_input_dtype) as calls:
         grads, params = train(net, rank)
-    finally:
-        LowPrecisionReduceScatter.__call__ = real_call  # type: ignore[method-assign]
     return grads, params, calls
 
 

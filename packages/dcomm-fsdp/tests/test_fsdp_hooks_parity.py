@@ -18,6 +18,8 @@ expected BFloat16", pytorch/pytorch#94086), whatever the hook.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,7 +30,7 @@ from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 
 import dcomm.fsdp
 from dcomm.core import DefaultState, LowPrecisionState
-from dcomm_testing import assert_close, cpu_record_stream_is_noop, run_ranks, seeded_mlp, seeded_pair
+from dcomm_testing import assert_close, cpu_record_stream_is_noop, run_ranks, seeded_mlp, seeded_pair, train_sgd
 
 STEPS = 3
 STRATEGIES = (ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD)
@@ -47,18 +49,14 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return seeded_pair(100 * step + rank, (4, 6), (4, 5), x_scale=rank + 1)
 
 
+def float32_mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out.float(), y)
+
+
 def train(model: FSDP, rank: int, steps: int = STEPS) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Return (this rank's flat parameter shards after ``steps`` SGD steps, first-step gradients)."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    first_grads: list[torch.Tensor] = []
-    for step in range(steps):
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x).float(), y).backward()
-        if step == 0:
-            first_grads = [p.grad.detach().clone() for p in model.parameters()]
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()], first_grads
+    first_grads, params = train_sgd(model, functools.partial(batch, rank), steps, loss=float32_mse)
+    return params, first_grads
 
 
 def trained(strategy: ShardingStrategy, state: object, hook: object, rank: int, **kw: object) -> tuple:

@@ -22,7 +22,7 @@ from dcomm_testing.implementations import IMPLEMENTATIONS, implementation
 from dcomm_testing.models import BackwardOrderedMLP, flat_parameters, rank_device, seeded_mlp
 from dcomm_testing.quantization_bounds import block_scales, quantization_half_step
 from dcomm_testing.ranks import RankFailure, run_ranks
-from dcomm_testing.training import train_ddp
+from dcomm_testing.training import recorded_calls, train_ddp, train_sgd
 
 __all__ = [
     "BackwardOrderedMLP",
@@ -39,6 +39,7 @@ __all__ = [
     "quantization_half_step",
     "rank_device",
     "rank_groups",
+    "recorded_calls",
     "run_ranks",
     "seeded_batch",
     "seeded_mlp",
@@ -46,4 +47,5 @@ __all__ = [
     "seeded_pair",
     "spread_normal",
     "train_ddp",
+    "train_sgd",
 ]

@@ -25,6 +25,10 @@ def _detached_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().clone()
 
 
+def _sum_of_squares(out: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).sum()
+
+
 def train_ddp(
     model: nn.Module,
     hook: Callable[..., Any] | None,
@@ -34,9 +38,12 @@ def train_ddp(
     *,
     lr: float = 0.05,
     momentum: float = 0.9,
+    loss: Callable[[torch.Tensor], torch.Tensor] = _sum_of_squares,
     **ddp_kwargs: Any,
 ) -> list[torch.Tensor]:
-    """``model``'s parameters after ``steps`` SGD steps of DDP on the loss ``sum(model(batch(step)) ** 2)``.
+    """``model``'s parameters after ``steps`` SGD steps of DDP on ``loss(model(batch(step)))``.
+
+    The loss is the sum of the squared outputs unless told otherwise.
 
     ``hook`` (with ``state``) is registered when given; ``ddp_kwargs`` go to DDP (bucket caps, say).
 
@@ -50,7 +57,7 @@ def train_ddp(
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     for step in range(steps):
         opt.zero_grad()
-        ddp(batch(step)).pow(2).sum().backward()
+        loss(ddp(batch(step))).backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
 

@@ -1,4 +1,4 @@
-"""A few steps of training, what the hook tests compare between implementations, and a call recorder.
+"""Training runs the tests compare between torch's implementation and dcomm's, and a call recorder.
 
 Example::
 
@@ -9,14 +9,19 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import io
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-__all__ = ["recorded_calls", "train_ddp", "train_sgd"]
+from dcomm_testing.helpers import seeded_pair
+from dcomm_testing.models import seeded_mlp
+
+__all__ = ["PostLocalSGDRun", "recorded_calls", "train_ddp", "train_sgd"]
 
 T = TypeVar("T")
 
@@ -116,3 +121,79 @@ def recorded_calls(owner: object, name: str, record: Callable[..., T]) -> Iterat
         yield calls
     finally:
         setattr(owner, name, real)
+
+
+class PostLocalSGDRun:
+    """DDP with torch's ``post_localSGD_hook``, SGD with momentum and ``lib``'s averager, on seeded batches.
+
+    ``lib`` is :func:`dcomm_testing.implementation`'s namespace of one side; ``make_averager(lib)``
+    builds the averager. ``layers=1`` trains one bias-free ``Linear(6, 3)`` and a Tanh (DDP's
+    bucket layout then never changes, so a resumed run is bit-identical), ``layers=2``
+    ``seeded_mlp(6, 8, 3)``; both seeded with ``seed``. With ``wrapped`` the averager runs inside
+    ``lib.PostLocalSGDOptimizer``, else after each optimizer step.
+
+    Example::
+
+        >>> run = PostLocalSGDRun(implementation("dcomm"), make_averager, subgroup, warmup=3)  # doctest: +SKIP
+        >>> run.step(rank, 0); blob = run.checkpoint()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        lib: Any,
+        make_averager: Callable[[Any], Any],
+        subgroup: Any,
+        *,
+        warmup: int,
+        layers: int = 1,
+        wrapped: bool = True,
+        seed: int = 0,
+        device: torch.device | None = None,
+    ) -> None:
+        self.device = device or torch.device("cpu")
+        if layers == 1:
+            torch.manual_seed(seed)
+            module: nn.Module = nn.Sequential(nn.Linear(6, 3, bias=False), nn.Tanh())
+        else:
+            module = seeded_mlp(6, 8, 3, seed=seed)
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self.model = DDP(module.to(self.device), device_ids=ids)
+        self.hook_state = PostLocalSGDState(process_group=None, subgroup=subgroup, start_localSGD_iter=warmup)
+        self.model.register_comm_hook(self.hook_state, post_localSGD_hook)
+        self.averager = make_averager(lib)
+        self.local = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        self.opt = lib.PostLocalSGDOptimizer(self.local, self.averager) if wrapped else self.local
+        self.wrapped = wrapped
+
+    def step(self, rank: int, step: int) -> None:
+        """One training step on this rank's batch of ``step``, then the averager's turn."""
+        self.opt.zero_grad()
+        x, y = seeded_pair(1000 * rank + step, (5, 6), (5, 3), y_scale=0.5 * (rank + 1), uniform_y=True)
+        ((self.model(x.to(self.device)) - y.to(self.device)) ** 2).mean().backward()
+        self.opt.step()
+        if not self.wrapped:
+            self.averager.average_parameters(self.model.parameters())
+
+    def params(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.parameters()]
+
+    def checkpoint(self) -> bytes:
+        """Model, optimizer, averager and the hook's iteration, saved with ``torch.save``."""
+        buffer = io.BytesIO()
+        state = {
+            "model": self.model.module.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "averager": self.averager.state_dict(),
+            "hook_iter": self.hook_state.iter,  # torch's hook state has no state_dict
+        }
+        torch.save(state, buffer)
+        return buffer.getvalue()
+
+    def restore(self, blob: bytes) -> None:
+        """Load a :meth:`checkpoint` (the averager's own state only when not wrapped: the optimizer holds it)."""
+        checkpoint = torch.load(io.BytesIO(blob), map_location=self.device)
+        self.model.module.load_state_dict(checkpoint["model"])
+        self.opt.load_state_dict(checkpoint["optimizer"])
+        if not self.wrapped:
+            self.averager.load_state_dict(checkpoint["averager"])
+        self.hook_state.iter = checkpoint["hook_iter"]

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from harness import device, scenario
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_plsgd
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dcomm.core import intra_node_subgroups, subgroups_of_size
 from dcomm.ddp import (
@@ -25,7 +24,7 @@ from dcomm.ddp import (
     fp16_compress_hook,
     post_localSGD_hook,
 )
-from dcomm_testing import BackwardOrderedMLP, assert_close, assert_updates_close, rank_groups, seeded_normal
+from dcomm_testing import BackwardOrderedMLP, DDPRun, assert_close, assert_updates_close, rank_groups, seeded_normal
 
 STEPS = 5
 START = 2
@@ -43,21 +42,15 @@ def _batch(step: int) -> torch.Tensor:
     return seeded_normal(1_000 * step + rank, (6, 8), scale=rank + 1, draw=torch.float32).to(device())
 
 
-class _Run:
+class _Run(DDPRun):
     def __init__(self, hook: Callable, state: object) -> None:
         # Parameters in backward order: a restored run reduces its first step in the same order.
-        self.model = BackwardOrderedMLP(8, 16, 4).to(device())
-        self.initial = [p.detach().clone() for p in self.model.parameters()]
-        self.ddp = DDP(self.model)
-        self.ddp.register_comm_hook(state, hook)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        model = BackwardOrderedMLP(8, 16, 4).to(device())
+        self.initial = [p.detach().clone() for p in model.parameters()]
+        super().__init__(model, hook, state, _batch)
 
     def train(self, first: int = 0, last: int = STEPS) -> list[torch.Tensor]:
-        for step in range(first, last):
-            self.opt.zero_grad()
-            self.ddp(_batch(step)).pow(2).sum().backward()
-            self.opt.step()
-        return [p.detach().clone() for p in self.model.parameters()]
+        return super().train(first, last)
 
 
 @scenario()

@@ -15,43 +15,36 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_plsgd
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dcomm.ddp import PostLocalSGDState, post_localSGD_hook
-from dcomm_testing import BackwardOrderedMLP, assert_close, rank_groups, run_ranks, seeded_batch, seeded_mlp
+from dcomm_testing import BackwardOrderedMLP, DDPRun, assert_close, rank_groups, run_ranks, seeded_batch, seeded_mlp
 
 STEPS = 6
 START = 3
 BUCKET_CAPS = [0.0003] * 8  # several buckets per step: the counter must advance once per step
 
 
-class Run:
+def batch(step: int) -> torch.Tensor:
+    return seeded_batch(dist.get_rank(), step, (5, 6), draw=torch.float32)
+
+
+class Run(DDPRun):
     """A DDP model, its optimizer, the hook state and an optional torch averager."""
 
     def __init__(
         self, hook: Callable, state: object, period: int = 0, caps: list | None = BUCKET_CAPS, ordered: bool = False
     ) -> None:
-        self.model = BackwardOrderedMLP(6, 10, 3) if ordered else seeded_mlp(6, 10, 3)
-        self.ddp = DDP(self.model, bucket_cap_mb_list=caps)
-        self.ddp.register_comm_hook(state, hook)
-        self.state = state
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        model = BackwardOrderedMLP(6, 10, 3) if ordered else seeded_mlp(6, 10, 3)
+        super().__init__(model, hook, state, batch, bucket_cap_mb_list=caps)
         self.averager = PeriodicModelAverager(period, warmup_steps=START) if period else None
 
     def step(self, step: int) -> None:
-        self.opt.zero_grad()
-        self.ddp(seeded_batch(dist.get_rank(), step, (5, 6), draw=torch.float32)).pow(2).sum().backward()
-        self.opt.step()
+        super().step(step)
         if self.averager is not None:
             self.averager.average_parameters(self.model.parameters())
 
     def train(self, first: int = 0, last: int = STEPS) -> list[torch.Tensor]:
-        for step in range(first, last):
-            self.step(step)
-        return self.params()
-
-    def params(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.model.parameters()]
+        return super().train(first, last)
 
     def checkpoint(self) -> dict:
         return copy.deepcopy(

@@ -22,10 +22,11 @@ from dcomm_testing.implementations import IMPLEMENTATIONS, implementation
 from dcomm_testing.models import BackwardOrderedMLP, flat_parameters, rank_device, seeded_mlp
 from dcomm_testing.quantization_bounds import block_scales, quantization_half_step
 from dcomm_testing.ranks import RankFailure, run_ranks
-from dcomm_testing.training import PostLocalSGDRun, recorded_calls, train_ddp, train_sgd
+from dcomm_testing.training import DDPRun, PostLocalSGDRun, recorded_calls, train_ddp, train_sgd
 
 __all__ = [
     "BackwardOrderedMLP",
+    "DDPRun",
     "PostLocalSGDRun",
     "IMPLEMENTATIONS",
     "RankFailure",

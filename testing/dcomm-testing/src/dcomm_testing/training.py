@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dcomm_testing.helpers import seeded_pair
 from dcomm_testing.models import seeded_mlp
 
-__all__ = ["PostLocalSGDRun", "recorded_calls", "train_ddp", "train_sgd"]
+__all__ = ["DDPRun", "PostLocalSGDRun", "recorded_calls", "train_ddp", "train_sgd"]
 
 T = TypeVar("T")
 
@@ -34,37 +34,68 @@ def _sum_of_squares(out: torch.Tensor) -> torch.Tensor:
     return out.pow(2).sum()
 
 
+class DDPRun:
+    """A DDP model with a comm hook, trained by SGD with momentum on ``loss(ddp(batch(step)))``.
+
+    ``hook`` (with ``state``) is registered when given; ``ddp_kwargs`` go to DDP (bucket caps,
+    say). The loss is the sum of the squared outputs unless told otherwise. Subclasses add what
+    their test saves and restores.
+
+    Example::
+
+        >>> run = DDPRun(seeded_mlp(6, 10, 3), allreduce_hook, None, batch, bucket_cap_mb=0.01)  # doctest: +SKIP
+        >>> params = run.train(0, 4)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        hook: Callable[..., Any] | None,
+        state: object,
+        batch: Callable[[int], torch.Tensor],
+        *,
+        lr: float = 0.05,
+        momentum: float = 0.9,
+        loss: Callable[[torch.Tensor], torch.Tensor] = _sum_of_squares,
+        **ddp_kwargs: Any,
+    ) -> None:
+        self.model, self.state, self.batch, self.loss = model, state, batch, loss
+        self.ddp = DDP(model, **ddp_kwargs)
+        if hook is not None:
+            self.ddp.register_comm_hook(state, hook)
+        self.opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+
+    def step(self, step: int) -> None:
+        """One optimizer step on ``batch(step)``."""
+        self.opt.zero_grad()
+        self.loss(self.ddp(self.batch(step))).backward()
+        self.opt.step()
+
+    def train(self, first: int, last: int) -> list[torch.Tensor]:
+        """Steps ``first`` to ``last - 1``; the parameters after them."""
+        for step in range(first, last):
+            self.step(step)
+        return self.params()
+
+    def params(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.parameters()]
+
+
 def train_ddp(
     model: nn.Module,
     hook: Callable[..., Any] | None,
     state: object,
     batch: Callable[[int], torch.Tensor],
     steps: int,
-    *,
-    lr: float = 0.05,
-    momentum: float = 0.9,
-    loss: Callable[[torch.Tensor], torch.Tensor] = _sum_of_squares,
-    **ddp_kwargs: Any,
+    **kwargs: Any,
 ) -> list[torch.Tensor]:
-    """``model``'s parameters after ``steps`` SGD steps of DDP on ``loss(model(batch(step)))``.
-
-    The loss is the sum of the squared outputs unless told otherwise.
-
-    ``hook`` (with ``state``) is registered when given; ``ddp_kwargs`` go to DDP (bucket caps, say).
+    """``model``'s parameters after ``steps`` steps of a :class:`DDPRun` (``kwargs``: its options).
 
     Example::
 
         >>> train_ddp(model, fp16_compress_hook, None, lambda step: x[step], 4, bucket_cap_mb=0.01)  # doctest: +SKIP
     """
-    ddp = DDP(model, **ddp_kwargs)
-    if hook is not None:
-        ddp.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    for step in range(steps):
-        opt.zero_grad()
-        loss(ddp(batch(step))).backward()
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return DDPRun(model, hook, state, batch, **kwargs).train(0, steps)
 
 
 def train_sgd(

@@ -199,21 +199,17 @@ def scenario_averaging_resume_mid_run(rank: int, world_size: int) -> None:
     def make(lib: Any) -> Any:
         return lib.HierarchicalModelAverager(sizes, WARMUP)
 
-    run = PostLocalSGDRun(implementation("dcomm"), make, subgroup, warmup=WARMUP, device=device())
+    def build(seed: int = 0) -> PostLocalSGDRun:
+        return PostLocalSGDRun(implementation("dcomm"), make, subgroup, warmup=WARMUP, seed=seed, device=device())
+
+    run = build()
     history, saved = [], {}
     for step in range(STEPS):
         if step in (2, 5):
             saved[step] = run.checkpoint()
         run.step(rank, step)
         history.append(run.params())
-    for start, blob in saved.items():
-        resumed = PostLocalSGDRun(implementation("dcomm"), make, subgroup, warmup=WARMUP, seed=123, device=device())
-        resumed.restore(blob)
-        assert resumed.averager.step == start
-        for step in range(start, STEPS):
-            resumed.step(rank, step)
-            for a, b in zip(resumed.params(), history[step], strict=True):
-                assert torch.equal(a, b), f"resumed at {start}: step {step} differs"
+    run.assert_resumes(lambda: build(seed=123), rank, saved, history, "hierarchical run")
 
 
 def _value_error(build: Callable[[], object]) -> str:

@@ -8,6 +8,7 @@ must be bit-identical to the uninterrupted one from the restore on.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -67,14 +68,7 @@ def _training(rank: int, world: int) -> None:
         assert ranks_disagreed, f"{name}: ranks never diverged, so averaging was never tested"
 
         # Resume at several steps into fresh objects built from another seed.
-        for k, checkpoint in checkpoints.items():
-            resumed = run("dcomm", seed=99)
-            resumed.restore(checkpoint)
-            assert resumed.averager.step == k
-            for step in range(k, STEPS):
-                resumed.step(rank, step)
-                for a, b in zip(resumed.params(), history[step], strict=True):
-                    assert torch.equal(a, b), f"{name}: resumed at {k}, step {step} differs"
+        ours.assert_resumes(functools.partial(run, "dcomm", seed=99), rank, checkpoints, history, name)
 
 
 @pytest.mark.parametrize("world", [2, 4])

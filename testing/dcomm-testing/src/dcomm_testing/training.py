@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dcomm_testing.helpers import seeded_pair
+from dcomm_testing.helpers import assert_close, seeded_pair
 from dcomm_testing.models import seeded_mlp
 
 __all__ = ["DDPRun", "PostLocalSGDRun", "recorded_calls", "train_ddp", "train_sgd"]
@@ -228,3 +228,19 @@ class PostLocalSGDRun:
         if not self.wrapped:
             self.averager.load_state_dict(checkpoint["averager"])
         self.hook_state.iter = checkpoint["hook_iter"]
+
+    def assert_resumes(
+        self, fresh: Callable[[], PostLocalSGDRun], rank: int, saved: dict[int, bytes], history: list, what: str
+    ) -> None:
+        """Each checkpoint ``saved[start]`` restored into ``fresh()`` replays ``history[start:]`` bit for bit.
+
+        ``history[step]`` holds this run's parameters after ``step``; ``saved[start]`` its checkpoint
+        taken before ``start``.
+        """
+        for start, blob in saved.items():
+            resumed = fresh()
+            resumed.restore(blob)
+            assert resumed.averager.step == start, (what, start, resumed.averager.step)
+            for step in range(start, len(history)):
+                resumed.step(rank, step)
+                assert_close(resumed.params(), history[step], 0.0, f"{what}: resumed at {start}, step {step}")

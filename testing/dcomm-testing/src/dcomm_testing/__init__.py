@@ -13,6 +13,7 @@ from dcomm_testing.helpers import (
     cpu_record_stream_is_noop,
     device_synchronize_forbidden,
     rank_groups,
+    recorded_calls,
     seeded_batch,
     seeded_normal,
     seeded_pair,
@@ -22,7 +23,7 @@ from dcomm_testing.implementations import IMPLEMENTATIONS, implementation
 from dcomm_testing.models import BackwardOrderedMLP, flat_parameters, rank_device, seeded_mlp
 from dcomm_testing.quantization_bounds import block_scales, quantization_half_step
 from dcomm_testing.ranks import RankFailure, run_ranks
-from dcomm_testing.training import DDPRun, PostLocalSGDRun, recorded_calls, train_ddp, train_sgd
+from dcomm_testing.training import DDPRun, PostLocalSGDRun, train_ddp, train_sgd
 
 __all__ = [
     "BackwardOrderedMLP",

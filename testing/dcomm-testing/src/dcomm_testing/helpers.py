@@ -1,4 +1,4 @@
-"""Fixtures every dcomm test suite shares: seeded per-rank data, comparisons and CPU stand-ins.
+"""Fixtures every dcomm test suite shares: seeded per-rank data, comparisons, patches and CPU stand-ins.
 
 Example::
 
@@ -9,10 +9,13 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 __all__ = [
     "assert_close",
@@ -20,6 +23,7 @@ __all__ = [
     "cpu_record_stream_is_noop",
     "device_synchronize_forbidden",
     "rank_groups",
+    "recorded_calls",
     "seeded_batch",
     "seeded_normal",
     "seeded_pair",
@@ -231,6 +235,32 @@ def device_synchronize_forbidden(what: str) -> Iterator[None]:
         yield
     finally:
         torch.cuda.synchronize, torch.accelerator.synchronize = saved
+
+
+@contextlib.contextmanager
+def recorded_calls(owner: object, name: str, record: Callable[..., T]) -> Iterator[list[T]]:
+    """Inside the block, every call of ``owner.name`` first appends ``record(*args, **kwargs)`` to the list yielded.
+
+    The attribute is restored on leaving. For a method patched on a class, ``args`` starts with
+    the instance.
+
+    Example::
+
+        >>> with recorded_calls(Reducer, "__call__", lambda self, out, inp: inp.dtype) as dtypes:  # doctest: +SKIP
+        ...     train()
+    """
+    real = getattr(owner, name)
+    calls: list[T] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(record(*args, **kwargs))
+        return real(*args, **kwargs)
+
+    setattr(owner, name, spy)
+    try:
+        yield calls
+    finally:
+        setattr(owner, name, real)
 
 
 def cpu_record_stream_is_noop() -> contextlib.AbstractContextManager[None]:

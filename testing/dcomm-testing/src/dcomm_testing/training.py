@@ -1,4 +1,4 @@
-"""Training runs the tests compare between torch's implementation and dcomm's, and a call recorder.
+"""Training runs the tests compare between torch's implementation and dcomm's.
 
 Example::
 
@@ -8,10 +8,9 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import io
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,9 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dcomm_testing.helpers import assert_close, seeded_pair
 from dcomm_testing.models import seeded_mlp
 
-__all__ = ["DDPRun", "PostLocalSGDRun", "recorded_calls", "train_ddp", "train_sgd"]
-
-T = TypeVar("T")
+__all__ = ["DDPRun", "PostLocalSGDRun", "train_ddp", "train_sgd"]
 
 
 def _detached_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -126,32 +123,6 @@ def train_sgd(
             first = [keep(p.grad) for p in model.parameters()]
         opt.step()
     return first, [keep(p) for p in model.parameters()]
-
-
-@contextlib.contextmanager
-def recorded_calls(owner: object, name: str, record: Callable[..., T]) -> Iterator[list[T]]:
-    """Inside the block, every call of ``owner.name`` first appends ``record(*args, **kwargs)`` to the list yielded.
-
-    The attribute is restored on leaving. For a method patched on a class, ``args`` starts with
-    the instance.
-
-    Example::
-
-        >>> with recorded_calls(Reducer, "__call__", lambda self, out, inp: inp.dtype) as dtypes:  # doctest: +SKIP
-        ...     train()
-    """
-    real = getattr(owner, name)
-    calls: list[T] = []
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        calls.append(record(*args, **kwargs))
-        return real(*args, **kwargs)
-
-    setattr(owner, name, spy)
-    try:
-        yield calls
-    finally:
-        setattr(owner, name, real)
 
 
 class PostLocalSGDRun:

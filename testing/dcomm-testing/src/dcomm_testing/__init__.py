@@ -22,7 +22,7 @@ from dcomm_testing.helpers import (
 from dcomm_testing.implementations import IMPLEMENTATIONS, implementation
 from dcomm_testing.models import BackwardOrderedMLP, flat_parameters, rank_device, seeded_mlp
 from dcomm_testing.quantization_bounds import block_scales, quantization_half_step
-from dcomm_testing.ranks import RankFailure, run_ranks
+from dcomm_testing.ranks import RankFailure, rank_process_context, run_ranks
 from dcomm_testing.training import DDPRun, PostLocalSGDRun, train_ddp, train_sgd
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "quantization_half_step",
     "rank_device",
     "rank_groups",
+    "rank_process_context",
     "recorded_calls",
     "run_ranks",
     "seeded_batch",

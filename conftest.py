@@ -11,8 +11,6 @@ processes themselves), and ```` ```python runner:gpu ```` blocks are skipped on 
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.context
 import os
 import socket
 import subprocess
@@ -24,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from dcomm_testing import rank_process_context
 
 RANKS = 2
 TIMEOUT_S = 300
@@ -50,20 +50,12 @@ def _rank_main(source: str, filename: str, folder: str, env: dict[str, str]) -> 
         raise SystemExit(1) from None
 
 
-def _context() -> multiprocessing.context.BaseContext:
-    if sys.platform.startswith("linux"):  # ranks fork from a server that has imported torch once
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo"])
-        return ctx
-    return multiprocessing.get_context("spawn")
-
-
 def run_block(source: str, where: str, ranks: int) -> None:
     """Run ``source`` as ``__main__`` on ``ranks`` processes; raise with the failing ranks' tracebacks."""
     with tempfile.TemporaryDirectory(prefix="dcomm-readme-") as folder:
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(ranks)}
         env["LOCAL_WORLD_SIZE"] = str(ranks)
-        ctx = _context()
+        ctx = rank_process_context()  # ranks fork from a server that has imported torch once
         processes = [
             ctx.Process(target=_rank_main, args=(source, where, folder, env | {"RANK": str(r), "LOCAL_RANK": str(r)}))
             for r in range(ranks)

@@ -16,12 +16,10 @@ Example::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
+from dcomm_testing import rank_device
 
 __all__ = ["SCENARIOS", "Scenario", "device", "scenario"]
 
@@ -62,11 +60,8 @@ def scenario(
     return register
 
 
-def device() -> torch.device:
-    """This rank's device: its GPU under NCCL, the CPU under gloo."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())) % torch.cuda.device_count())
-    return torch.device("cpu")
+device = rank_device
+"""This rank's device: its GPU under NCCL, the CPU under gloo (``dcomm_testing.rank_device``)."""
 
 
 def load_all() -> list[Scenario]:

@@ -7,57 +7,20 @@ and are held to 1e-6 relative.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from harness import device, scenario
-from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.model_averaging import utils as torch_utils
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dcomm.averaging as dcomm_averaging
 from dcomm.core import intra_node_subgroups, reduced_by_nccl
-from dcomm_testing import implementation
+from dcomm_testing import PostLocalSGDRun, implementation
 
 WARMUP = 3
 STEPS = 9
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * rank + step)
-    x, y = torch.randn(5, 6, generator=gen), torch.rand(5, 3, generator=gen) * (rank + 1) * 0.5
-    return x.to(device()), y.to(device())
-
-
-class _Run:
-    """DDP with torch's post-local SGD hook, SGD with momentum, an averager in a PostLocalSGDOptimizer."""
-
-    def __init__(self, lib: Any, make_averager: Callable[[Any], Any], subgroup: Any, layers: int, seed: int = 0):
-        torch.manual_seed(seed)
-        if layers == 1:  # one parameter: DDP's bucket layout never changes (exact resume)
-            module = torch.nn.Sequential(torch.nn.Linear(6, 3, bias=False), torch.nn.Tanh())
-        else:
-            module = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-        module = module.to(device())
-        ids = [device().index] if device().type == "cuda" else None
-        self.model = DDP(module, device_ids=ids)
-        self.hook_state = PostLocalSGDState(process_group=None, subgroup=subgroup, start_localSGD_iter=WARMUP)
-        self.model.register_comm_hook(self.hook_state, post_localSGD_hook)
-        self.averager = make_averager(lib)
-        local = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
-        self.opt = lib.PostLocalSGDOptimizer(local, self.averager)
-
-    def step(self, rank: int, step: int) -> None:
-        self.opt.zero_grad()
-        x, y = _batch(rank, step)
-        ((self.model(x) - y) ** 2).mean().backward()
-        self.opt.step()
-
-    def params(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.model.parameters()]
 
 
 def _assert_same(ours: list[torch.Tensor], theirs: list[torch.Tensor], what: str) -> None:
@@ -70,8 +33,8 @@ def _assert_same(ours: list[torch.Tensor], theirs: list[torch.Tensor], what: str
 
 def _train_against_torch(rank: int, make_averager: Callable[[Any], Any], name: str) -> None:
     subgroup, _ = intra_node_subgroups()
-    theirs = _Run(implementation("torch"), make_averager, subgroup, layers=2)
-    ours = _Run(implementation("dcomm"), make_averager, subgroup, layers=2)
+    theirs = PostLocalSGDRun(implementation("torch"), make_averager, subgroup, warmup=WARMUP, layers=2, device=device())
+    ours = PostLocalSGDRun(implementation("dcomm"), make_averager, subgroup, warmup=WARMUP, layers=2, device=device())
     for step in range(STEPS):
         theirs.step(rank, step)
         ours.step(rank, step)
@@ -236,33 +199,17 @@ def scenario_averaging_resume_mid_run(rank: int, world_size: int) -> None:
     def make(lib: Any) -> Any:
         return lib.HierarchicalModelAverager(sizes, WARMUP)
 
-    run = _Run(implementation("dcomm"), make, subgroup, layers=1)
+    def build(seed: int = 0) -> PostLocalSGDRun:
+        return PostLocalSGDRun(implementation("dcomm"), make, subgroup, warmup=WARMUP, seed=seed, device=device())
+
+    run = build()
     history, saved = [], {}
     for step in range(STEPS):
         if step in (2, 5):
-            buffer = io.BytesIO()
-            torch.save(
-                {
-                    "model": run.model.module.state_dict(),
-                    "opt": run.opt.state_dict(),
-                    "iter": run.hook_state.iter,
-                },
-                buffer,
-            )
-            saved[step] = buffer.getvalue()
+            saved[step] = run.checkpoint()
         run.step(rank, step)
         history.append(run.params())
-    for start, blob in saved.items():
-        checkpoint = torch.load(io.BytesIO(blob), map_location=device())
-        resumed = _Run(implementation("dcomm"), make, subgroup, layers=1, seed=123)
-        resumed.model.module.load_state_dict(checkpoint["model"])
-        resumed.opt.load_state_dict(checkpoint["opt"])
-        resumed.hook_state.iter = checkpoint["iter"]
-        assert resumed.averager.step == start
-        for step in range(start, STEPS):
-            resumed.step(rank, step)
-            for a, b in zip(resumed.params(), history[step], strict=True):
-                assert torch.equal(a, b), f"resumed at {start}: step {step} differs"
+    run.assert_resumes(lambda: build(seed=123), rank, saved, history, "hierarchical run")
 
 
 def _value_error(build: Callable[[], object]) -> str:

@@ -13,10 +13,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from harness import device, scenario
-from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_plsgd
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dcomm.core import intra_node_subgroups, subgroups_of_size
 from dcomm.ddp import (
@@ -26,6 +24,7 @@ from dcomm.ddp import (
     fp16_compress_hook,
     post_localSGD_hook,
 )
+from dcomm_testing import BackwardOrderedMLP, DDPRun, assert_close, assert_updates_close, rank_groups, seeded_normal
 
 STEPS = 5
 START = 2
@@ -38,69 +37,27 @@ def _torch_bf16(process_group, bucket):  # unannotated: DDP then skips its annot
     return torch_hooks.bf16_compress_hook(process_group, bucket)
 
 
-class _Net(nn.Module):
-    """Two layers, parameters registered in the order backward produces their gradients, so DDP's
-    first-step bucket layout equals its rebuilt one and a restored run reduces in the same order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        first, second = nn.Linear(8, 16), nn.Linear(16, 4)
-        self.b2, self.w2 = nn.Parameter(second.bias.detach()), nn.Parameter(second.weight.detach())
-        self.b1, self.w1 = nn.Parameter(first.bias.detach()), nn.Parameter(first.weight.detach())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = torch.tanh(nn.functional.linear(x, self.w1, self.b1))
-        return nn.functional.linear(hidden, self.w2, self.b2)
-
-
 def _batch(step: int) -> torch.Tensor:
     rank = dist.get_rank()
-    gen = torch.Generator().manual_seed(1_000 * step + rank)
-    return (torch.randn(6, 8, generator=gen) * (rank + 1)).to(device())
+    return seeded_normal(1_000 * step + rank, (6, 8), scale=rank + 1, draw=torch.float32).to(device())
 
 
-class _Run:
+class _Run(DDPRun):
     def __init__(self, hook: Callable, state: object) -> None:
-        self.model = _Net().to(device())
-        self.initial = [p.detach().clone() for p in self.model.parameters()]
-        self.ddp = DDP(self.model)
-        self.ddp.register_comm_hook(state, hook)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        # Parameters in backward order: a restored run reduces its first step in the same order.
+        model = BackwardOrderedMLP(8, 16, 4).to(device())
+        self.initial = [p.detach().clone() for p in model.parameters()]
+        super().__init__(model, hook, state, _batch)
 
     def train(self, first: int = 0, last: int = STEPS) -> list[torch.Tensor]:
-        for step in range(first, last):
-            self.opt.zero_grad()
-            self.ddp(_batch(step)).pow(2).sum().backward()
-            self.opt.step()
-        return [p.detach().clone() for p in self.model.parameters()]
-
-
-def _equal(ours: list[torch.Tensor], theirs: list[torch.Tensor], what: str) -> None:
-    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        assert torch.equal(a, b), f"{what}: parameter {i} differs by {(a - b).abs().max().item()}"
-
-
-def _close(ours: list[torch.Tensor], ref: list[torch.Tensor], initial: list[torch.Tensor], rtol: float, what: str):
-    for i, (a, b, p0) in enumerate(zip(ours, ref, initial, strict=True)):
-        change = (b - p0).abs().max().item()
-        error = (a - b).abs().max().item() / change
-        assert change > 0, f"{what}: parameter {i} did not train"
-        assert error <= rtol, f"{what}: parameter {i} off by {error:.2e} of its change (> {rtol})"
-
-
-def _replicas_agree(params: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> bool:
-    flat = torch.cat([p.reshape(-1) for p in params])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, flat, group=group)
-    return all(torch.equal(g, gathered[0]) for g in gathered)
+        return super().train(first, last)
 
 
 @scenario()
 def scenario_ddp_allreduce_hook(rank: int, world_size: int) -> None:
     ours = _Run(allreduce_hook, None).train()
-    _equal(ours, _Run(torch_hooks.allreduce_hook, None).train(), "allreduce_hook vs torch")
-    assert _replicas_agree(ours), "allreduce_hook: replicas differ"
+    assert_close(ours, _Run(torch_hooks.allreduce_hook, None).train(), 0.0, "allreduce_hook vs torch")
+    assert len(rank_groups(ours)) == 1, "allreduce_hook: replicas differ"
 
 
 @scenario()
@@ -111,10 +68,10 @@ def scenario_ddp_compress_hooks(rank: int, world_size: int) -> None:
         (fp16_compress_hook, torch_hooks.fp16_compress_hook, FP16_RTOL),
         (bf16_compress_hook, _torch_bf16, BF16_RTOL),
     ]:
-        ours = _Run(hook, None).train()
-        _close(ours, _Run(torch_hook, None).train(), reference.initial, rtol, f"{hook.__qualname__} vs torch")
-        _close(ours, fp32, reference.initial, rtol, f"{hook.__qualname__} vs fp32")
-        assert _replicas_agree(ours), f"{hook.__qualname__}: replicas differ"
+        ours, theirs = _Run(hook, None).train(), _Run(torch_hook, None).train()
+        assert_updates_close(ours, theirs, reference.initial, rtol, f"{hook.__qualname__} vs torch")
+        assert_updates_close(ours, fp32, reference.initial, rtol, f"{hook.__qualname__} vs fp32")
+        assert len(rank_groups(ours)) == 1, f"{hook.__qualname__}: replicas differ"
 
 
 @scenario(world_size_multiple=2)
@@ -126,11 +83,11 @@ def scenario_ddp_post_local_sgd(rank: int, world_size: int) -> None:
             ours = PostLocalSGDState(None, ours_sub, START, post_local)
             theirs = torch_plsgd.PostLocalSGDState(None, torch_sub, START, post_local)
             mine = _Run(post_localSGD_hook, ours).train()
-            _equal(mine, _Run(torch_plsgd.post_localSGD_hook, theirs).train(), f"post_local={post_local}")
+            assert_close(mine, _Run(torch_plsgd.post_localSGD_hook, theirs).train(), 0.0, f"post_local={post_local}")
             assert (ours.iter, theirs.iter) == (STEPS, START)
             if ours_sub is pairs:
                 # Pairs agree after the switch with the local allreduce; without it, nobody does.
-                assert _replicas_agree(mine, pairs) == post_local
+                assert (len(rank_groups(mine, pairs)) == 1) == post_local
 
 
 @scenario()
@@ -148,5 +105,5 @@ def scenario_ddp_post_local_sgd_resume(rank: int, world_size: int) -> None:
     restored.model.load_state_dict(ckpt["model"])  # after DDP's broadcast of rank 0's parameters
     restored.opt.load_state_dict(ckpt["opt"])
     restored_state.load_state_dict(ckpt["hook"])
-    _equal(restored.train(first=START + 1), final, "resumed after the switch")
+    assert_close(restored.train(first=START + 1), final, 0.0, "resumed after the switch")
     assert restored_state.iter == state.iter == STEPS

@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -47,37 +48,26 @@ from dcomm.fsdp import (
     register_comm_hook,
     use_low_precision_reduction,
 )
-from dcomm_testing import cpu_record_stream_is_noop
+from dcomm_testing import assert_close, cpu_record_stream_is_noop, recorded_calls, seeded_mlp, seeded_pair, train_sgd
 
 STEPS = 3
 TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    x, y = torch.randn(8, 16, generator=gen) * (rank + 1), torch.randn(8, 4, generator=gen)
+    x, y = seeded_pair(1000 * step + rank, (8, 16), (8, 4), x_scale=rank + 1)
     return x.to(device()), y.to(device())
 
 
 def _net() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 33), nn.Tanh(), nn.Linear(33, 4))  # 561 + 136 numel: padded
+    return seeded_mlp(16, 33, 4)  # 561 + 136 numel: padded
 
 
 def _sgd_train(
     model: nn.Module, whole: Callable[[torch.Tensor], torch.Tensor]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Train ``model`` for STEPS SGD steps: (first-step gradients, final parameters), each ``whole(t)``."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    grads: list[torch.Tensor] = []
-    for step in range(STEPS):
-        x, y = _batch(dist.get_rank(), step)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        if step == 0:
-            grads = [whole(p.grad) for p in model.parameters()]
-        opt.step()
-    return grads, [whole(p) for p in model.parameters()]
+    return train_sgd(model, functools.partial(_batch, dist.get_rank()), STEPS, keep=whole)
 
 
 def _train_fsdp(strategy: ShardingStrategy, state: object, hook: object) -> tuple[list[torch.Tensor], ...]:
@@ -92,14 +82,8 @@ def _train_fsdp(strategy: ShardingStrategy, state: object, hook: object) -> tupl
     return params, grads
 
 
-def _close(ours: list[torch.Tensor], ref: list[torch.Tensor], tol: float, what: str) -> None:
-    assert len(ours) == len(ref) > 0, what
-    for a, b in zip(ours, ref, strict=True):
-        assert a.dtype == torch.float32, (what, a.dtype)
-        b = b.to(a.device, torch.float64)
-        torch.testing.assert_close(
-            a.double(), b, rtol=tol, atol=tol * b.abs().max().item(), msg=lambda m: f"{what}: {m}"
-        )
+_close = functools.partial(assert_close, dtype=torch.float32)
+"""Close within ``tol`` of the reference's largest value; ours always float32."""
 
 
 @scenario(min_world_size=2)
@@ -131,6 +115,11 @@ def _mesh() -> DeviceMesh:
     return init_device_mesh(device().type, (dist.get_world_size(),))
 
 
+def _input_dtype(reducer: object, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.dtype:
+    """The input's dtype, from a ``LowPrecisionReduceScatter`` call's arguments."""
+    return (kwargs["input_tensor"] if "input_tensor" in kwargs else args[1]).dtype
+
+
 def _train_fully_shard(
     dtype: torch.dtype | None, policy_at_construction: bool = False
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.dtype]]:
@@ -142,18 +131,8 @@ def _train_fully_shard(
     fully_shard(net, mesh=mesh, **kwargs)
     if dtype is not None:
         use_low_precision_reduction(net, dtype)
-    calls: list[torch.dtype] = []
-    real_call = LowPrecisionReduceScatter.__call__
-
-    def spy(self, *args, **kw):  # type: ignore[no-untyped-def]
-        calls.append(kw["input_tensor"].dtype if "input_tensor" in kw else args[1].dtype)
-        return real_call(self, *args, **kw)
-
-    LowPrecisionReduceScatter.__call__ = spy  # type: ignore[method-assign]
-    try:
+    with recorded_calls(LowPrecisionReduceScatter, "__call__", _input_dtype) as calls:
         grads, params = _sgd_train(net, lambda t: t.detach().full_tensor())
-    finally:
-        LowPrecisionReduceScatter.__call__ = real_call  # type: ignore[method-assign]
     return grads, params, calls
 
 

@@ -17,11 +17,11 @@ import torch.distributed as dist
 from harness import device, scenario
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_plsgd
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dcomm.averaging import HierarchicalModelAverager
 from dcomm.core import intra_node_subgroups
 from dcomm.ddp import PostLocalSGDState, post_localSGD_hook
+from dcomm_testing import seeded_mlp, seeded_normal, train_ddp
 
 STEPS = 5
 START = 2
@@ -42,18 +42,14 @@ def _nodes_of(size: int) -> Iterator[None]:
 
 
 def _train(hook, state) -> list[torch.Tensor]:
-    torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(device()))
-    model.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rank = dist.get_rank()
-    for step in range(STEPS):
-        gen = torch.Generator().manual_seed(1_000 * step + rank)
-        x = (torch.randn(6, 8, generator=gen) * (rank + 1)).to(device())
-        opt.zero_grad(set_to_none=True)
-        model(x).square().mean().backward()
-        opt.step()
-    return [p.detach().cpu().clone() for p in model.parameters()]
+
+    def batch(step: int) -> torch.Tensor:
+        return seeded_normal(1_000 * step + rank, (6, 8), scale=rank + 1, draw=torch.float32).to(device())
+
+    model = seeded_mlp(8, 16, 4, device=device())
+    params = train_ddp(model, hook, state, batch, STEPS, lr=0.1, momentum=0.0, loss=lambda out: out.square().mean())
+    return [p.cpu() for p in params]
 
 
 @scenario(min_world_size=4, world_size_multiple=2)

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from harness import device, scenario
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -33,20 +32,13 @@ except ImportError:  # pragma: no cover - dcomm-ddp without its default hooks
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
 from dcomm.ddp import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved
+from dcomm_testing import assert_same_on_ranks, flat_parameters, seeded_mlp, seeded_normal
 
 STEPS = 4
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers = [
-        torch.nn.Linear(32, 64),
-        torch.nn.ReLU(),
-        torch.nn.Linear(64, 64),
-        torch.nn.ReLU(),
-        torch.nn.Linear(64, 8),
-    ]
-    return torch.nn.Sequential(*layers).to(device())
+    return seeded_mlp(32, 64, 64, 8, activation=torch.nn.ReLU, device=device())
 
 
 def _ddp(model: torch.nn.Module) -> DDP:
@@ -56,12 +48,7 @@ def _ddp(model: torch.nn.Module) -> DDP:
 
 
 def _batch(rank: int, step: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(100 * rank + step)
-    return (torch.randn(16, 32, generator=gen) * (rank + 1)).to(device())
-
-
-def _flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return seeded_normal(100 * rank + step, (16, 32), scale=rank + 1, draw=torch.float32).to(device())
 
 
 def _train_against_plain_zero(
@@ -78,7 +65,7 @@ def _train_against_plain_zero(
     ref_ddp.register_comm_hook(None, hook)
     ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2)
     tol = {"rtol": 1e-5, "atol": 1e-6} if kwargs.get("reduce_scatter") else {}
-    before = _flat(model)
+    before = flat_parameters(model)
     for step in range(STEPS):
         x = _batch(rank, step)
         if step % zero_grad_every == 0:
@@ -87,12 +74,10 @@ def _train_against_plain_zero(
         ddp(x).square().mean().backward()
         ref_ddp(x).square().mean().backward()
         ref_zero.step()
-        ours = _flat(model)
+        ours, theirs = flat_parameters(model), flat_parameters(ref_model)
         assert not torch.equal(ours, before), f"{case}: step {step} left the parameters unchanged"
-        torch.testing.assert_close(ours, _flat(ref_model), **tol, msg=lambda m, c=case, s=step: f"{c} step {s}: {m}")
-        agreed = ours.clone()
-        dist.broadcast(agreed, src=0)
-        assert torch.equal(ours, agreed), f"{case} step {step}: ranks disagree on the parameters"
+        torch.testing.assert_close(ours, theirs, **tol, msg=lambda m, c=case, s=step: f"{c} step {s}: {m}")
+        assert_same_on_ranks([ours], f"{case} step {step}")
         before = ours
     if device().type == "cuda":
         torch.cuda.synchronize()

@@ -51,62 +51,15 @@ class Config:
         return TinyGPT(self.layers, self.width, self.heads, self.context)
 
 
-CONFIGS = {
-    "small": Config(
-        name="small",
-        world_size=4,
-        layers=2,
-        width=64,
-        heads=4,
-        context=64,
-        batch_size=8,
-        steps=40,
-        eval_every=8,
-        val_windows=64,
-        lr=3e-3,
-        corpus_bytes=4_000_000,
-        local_sgd_start=10,
-        period=4,
-        diloco_every=10,
-        powersgd_start=10,
-        timeout_s=900.0,
-    ),
-    "large": Config(
-        name="large",
-        world_size=4,
-        layers=6,
-        width=384,
-        heads=6,
-        context=256,
-        batch_size=32,
-        steps=600,
-        eval_every=50,
-        val_windows=256,
-        lr=1e-3,
-        corpus_bytes=64_000_000,
-        local_sgd_start=100,
-        period=8,
-        diloco_every=50,
-        powersgd_start=100,
-        timeout_s=3600.0,
-    ),
-    "tiny": Config(
-        name="tiny",
-        world_size=2,
-        layers=1,
-        width=32,
-        heads=2,
-        context=32,
-        batch_size=4,
-        steps=12,
-        eval_every=4,
-        val_windows=16,
-        lr=3e-3,
-        corpus_bytes=500_000,
-        local_sgd_start=4,
-        period=2,
-        diloco_every=4,
-        powersgd_start=4,
-        timeout_s=600.0,
-    ),
+# One row per size; the columns are Config's fields after the name, in order (eval: eval_every,
+# val: val_windows, sgd: local_sgd_start, psgd: powersgd_start). Three keyword calls would
+# repeat the same seventeen lines three times.
+# fmt: off
+_SIZES = {
+    #         world layers width heads context batch steps eval val  lr    corpus      sgd  period diloco psgd timeout
+    "small": (4,    2,     64,   4,    64,     8,    40,   8,   64,  3e-3, 4_000_000,  10,  4,     10,    10,  900.0),
+    "large": (4,    6,     384,  6,    256,    32,   600,  50,  256, 1e-3, 64_000_000, 100, 8,     50,    100, 3600.0),
+    "tiny":  (2,    1,     32,   2,    32,     4,    12,   4,   16,  3e-3, 500_000,    4,   2,     4,     4,   600.0),
 }
+# fmt: on
+CONFIGS = {name: Config(name, *row) for name, row in _SIZES.items()}

@@ -19,7 +19,7 @@ import torch
 
 from dcomm.averaging import DiLoCoOptimizer
 from dcomm.averaging._diloco.fragments import split_bytes, sync_offsets
-from dcomm_testing import run_ranks
+from dcomm_testing import run_ranks, seeded_mlp, seeded_pair
 
 # Relative tolerance on 3 ranks, where gloo may sum the three deltas in another order.
 RTOL = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -28,9 +28,7 @@ FRAGMENTS = {1: [[0, 1, 2, 3, 4, 5]], 2: [[0, 1, 2], [3, 4, 5]], 3: [[0, 1], [2,
 
 
 def make_model(seed: int, dtype: torch.dtype) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    layers = [torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4)]
-    return torch.nn.Sequential(*layers).to(dtype)
+    return seeded_mlp(4, 4, 4, 4, seed=seed, dtype=dtype)
 
 
 def make_optimizers(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
@@ -40,10 +38,10 @@ def make_optimizers(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, torc
 
 
 def backward(model: torch.nn.Module, rank: int, step: int) -> None:
-    gen = torch.Generator().manual_seed(1000 * rank + step)
     dtype = next(model.parameters()).dtype
-    x = torch.randn(8, 4, generator=gen, dtype=torch.float64).to(dtype)
-    y = (torch.rand(8, 4, generator=gen, dtype=torch.float64) * (rank + 1)).to(dtype)
+    x, y = seeded_pair(
+        1000 * rank + step, (8, 4), (8, 4), y_scale=rank + 1, uniform_y=True, draw=torch.float64, dtype=dtype
+    )
     ((model(x) - y) ** 2).mean().backward()
 
 
@@ -318,8 +316,7 @@ def backward_on(model: torch.nn.Module, rank: int, step: int, device: torch.devi
     if device.type == "cpu":
         backward(model, rank, step)
         return
-    gen = torch.Generator().manual_seed(1000 * rank + step)
-    x, y = torch.randn(8, 4, generator=gen), torch.rand(8, 4, generator=gen) * (rank + 1)
+    x, y = seeded_pair(1000 * rank + step, (8, 4), (8, 4), y_scale=rank + 1, uniform_y=True)
     ((model(x.to(device)) - y.to(device)) ** 2).mean().backward()
 
 

@@ -17,7 +17,7 @@ from test_averaging_diloco import STEPS, backward, make_model, make_optimizers
 from dcomm.averaging import DiLoCoOptimizer
 from dcomm.averaging._diloco.exchange import BLOCK_SIZE, PseudoGradientExchange
 from dcomm.core import payload_bytes
-from dcomm_testing import run_ranks
+from dcomm_testing import run_ranks, spread_normal
 
 FORMATS = ["bf16", "fp8", "int8", "int4"]
 # Largest error of one sync, relative to the largest |mean|, for vectors of mixed magnitudes.
@@ -28,9 +28,7 @@ SYNCS = 20
 
 
 def rank_vector(rank: int, numel: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(rank)
-    magnitudes = torch.logspace(-3, 1, numel, dtype=torch.float64)
-    return (torch.randn(numel, generator=gen, dtype=torch.float64) * magnitudes * (rank + 1)).float()
+    return spread_normal(rank, numel, (-3, 1), scale=rank + 1, shuffle=False)
 
 
 def _error_feedback(rank: int, world: int) -> None:

@@ -21,7 +21,7 @@ from test_averaging_parameters import MIB, SPECS, AllocationTracker, assert_aver
 import dcomm.averaging.parameters as impl
 from dcomm.averaging import average_parameters
 from dcomm.core import reduced_by_nccl
-from dcomm_testing import run_ranks
+from dcomm_testing import device_synchronize_forbidden, run_ranks
 
 # More parameters than one launch holds once the limits are lowered, every dtype.
 MANY = [((3, 5), torch.float32, False)] * 9 + [((7,), torch.bfloat16, False)] * 5 + [((4,), torch.float16, False)] * 4
@@ -123,15 +123,8 @@ def _in_place_checks(rank: int, world: int) -> None:
     torch.testing.assert_close(storage.double(), mean)
 
     # No device synchronize on the in-place path either.
-    def forbidden() -> None:
-        raise AssertionError("average_parameters synchronized the device")
-
-    saved_sync = torch.cuda.synchronize, torch.accelerator.synchronize
-    torch.cuda.synchronize = torch.accelerator.synchronize = forbidden  # type: ignore[assignment]
-    try:
+    with device_synchronize_forbidden("average_parameters"):
         forced(make_params(rank), None)
-    finally:
-        torch.cuda.synchronize, torch.accelerator.synchronize = saved_sync
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -24,7 +24,7 @@ from dcomm.averaging import (
     average_parameters_or_parameter_groups,
     get_params_to_average,
 )
-from dcomm_testing import run_ranks
+from dcomm_testing import device_synchronize_forbidden, run_ranks, seeded_normal
 
 TOL = {
     torch.float64: 1e-12,
@@ -49,8 +49,7 @@ SPECS: list[tuple[tuple[int, ...], torch.dtype, bool]] = [
 
 def rank_values(rank: int, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """float64 values that differ on every rank."""
-    gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    return torch.randn(shape, generator=gen, dtype=torch.float64) * (rank + 1)
+    return seeded_normal(seed * 1000 + rank, shape, scale=rank + 1)
 
 
 def make_params(rank: int, specs: Any = SPECS, seed: int = 0) -> list[torch.nn.Parameter]:
@@ -165,15 +164,8 @@ def _average_parameters_checks(rank: int, world: int) -> None:
     assert mem.peak == (15 + 17 + 4) * 4
 
     # No device synchronize: nothing in average_parameters may call one.
-    def forbidden() -> None:
-        raise AssertionError("average_parameters synchronized the device")
-
-    saved = torch.cuda.synchronize, torch.accelerator.synchronize
-    torch.cuda.synchronize = torch.accelerator.synchronize = forbidden  # type: ignore[assignment]
-    try:
+    with device_synchronize_forbidden("average_parameters"):
         average_parameters(make_params(rank), None, bucket_cap_mb=64 / MIB)
-    finally:
-        torch.cuda.synchronize, torch.accelerator.synchronize = saved
 
     # Parameters without a gradient are skipped, in modules and in param groups, as torch does.
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ must be bit-identical to the uninterrupted one from the restore on.
 
 from __future__ import annotations
 
-import io
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -16,14 +16,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
 from torch.distributed.optim import PostLocalSGDOptimizer as TorchPostLocalSGDOptimizer
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dcomm.averaging as ours_lib
 from dcomm.core import intra_node_subgroups
-from dcomm_testing import implementation, run_ranks
+from dcomm_testing import PostLocalSGDRun, implementation, run_ranks
 
 WARMUP = 3
 STEPS = 10
@@ -39,76 +37,26 @@ def variants(world: int) -> list[tuple[str, Callable[[Any], Any], bool]]:
     ]
 
 
-def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(5, 6, generator=gen), torch.rand(5, 3, generator=gen) * 0.5 * (rank + 1)
-
-
-class Run:
-    """A DDP model with torch's post-local SGD hook, SGD with momentum, and an averager."""
-
-    def __init__(self, lib: Any, factory: Callable[[Any], Any], wrapped: bool, subgroup: Any, seed: int = 0):
-        torch.manual_seed(seed)
-        # One parameter: a freshly built DDP reduces its first gradient bucket in a different
+def _training(rank: int, world: int) -> None:
+    subgroup, _ = intra_node_subgroups()
+    for name, factory, wrapped in variants(world):
+        # The run's one parameter (layers=1): a freshly built DDP reduces its first gradient bucket in a different
         # layout than a DDP that has rebuilt its buckets, and gloo's sum order follows the layout;
         # with several parameters a resumed run's first warm-up step would differ in the last bit
         # on 4 ranks, through torch's DDP, not the averager. Several parameters, param groups and
         # dtypes are averaged against torch in test_averaging_parameters.py.
-        module = torch.nn.Sequential(torch.nn.Linear(6, 3, bias=False), torch.nn.Tanh())
-        self.model = DDP(module)
-        self.hook_state = PostLocalSGDState(process_group=None, subgroup=subgroup, start_localSGD_iter=WARMUP)
-        self.model.register_comm_hook(self.hook_state, post_localSGD_hook)
-        self.averager = factory(lib)
-        self.local = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
-        self.opt = lib.PostLocalSGDOptimizer(self.local, self.averager) if wrapped else self.local
-        self.wrapped = wrapped
+        def run(side: str, seed: int = 0, factory=factory, wrapped=wrapped) -> PostLocalSGDRun:
+            return PostLocalSGDRun(implementation(side), factory, subgroup, warmup=WARMUP, wrapped=wrapped, seed=seed)
 
-    def train_step(self, rank: int, step: int) -> None:
-        self.opt.zero_grad()
-        x, y = batch(rank, step)
-        ((self.model(x) - y) ** 2).mean().backward()
-        self.opt.step()
-        if not self.wrapped:
-            self.averager.average_parameters(self.model.parameters())
-
-    def params(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.model.parameters()]
-
-    def checkpoint(self) -> dict[str, Any]:
-        buffer = io.BytesIO()
-        torch.save(
-            {
-                "model": self.model.module.state_dict(),
-                "optimizer": self.opt.state_dict(),
-                "averager": self.averager.state_dict(),
-                "hook_iter": self.hook_state.iter,  # torch's hook state has no state_dict
-            },
-            buffer,
-        )
-        buffer.seek(0)
-        return torch.load(buffer)
-
-    def restore(self, checkpoint: dict[str, Any]) -> None:
-        self.model.module.load_state_dict(checkpoint["model"])
-        self.opt.load_state_dict(checkpoint["optimizer"])
-        if not self.wrapped:
-            self.averager.load_state_dict(checkpoint["averager"])
-        self.hook_state.iter = checkpoint["hook_iter"]
-
-
-def _training(rank: int, world: int) -> None:
-    subgroup, _ = intra_node_subgroups()
-    for name, factory, wrapped in variants(world):
-        theirs = Run(implementation("torch"), factory, wrapped, subgroup)
-        ours = Run(implementation("dcomm"), factory, wrapped, subgroup)
+        theirs, ours = run("torch"), run("dcomm")
         history: list[list[torch.Tensor]] = []
-        checkpoints: dict[int, dict[str, Any]] = {}
+        checkpoints: dict[int, bytes] = {}
         ranks_disagreed = False
         for step in range(STEPS):
             if step in RESUME_AT:
                 checkpoints[step] = ours.checkpoint()
-            theirs.train_step(rank, step)
-            ours.train_step(rank, step)
+            theirs.step(rank, step)
+            ours.step(rank, step)
             history.append(ours.params())
             for a, b in zip(ours.params(), theirs.params(), strict=True):
                 assert torch.equal(a, b), f"{name}: step {step} differs from torch"
@@ -120,14 +68,7 @@ def _training(rank: int, world: int) -> None:
         assert ranks_disagreed, f"{name}: ranks never diverged, so averaging was never tested"
 
         # Resume at several steps into fresh objects built from another seed.
-        for k, checkpoint in checkpoints.items():
-            resumed = Run(implementation("dcomm"), factory, wrapped, subgroup, seed=99)
-            resumed.restore(checkpoint)
-            assert resumed.averager.step == k
-            for step in range(k, STEPS):
-                resumed.train_step(rank, step)
-                for a, b in zip(resumed.params(), history[step], strict=True):
-                    assert torch.equal(a, b), f"{name}: resumed at {k}, step {step} differs"
+        ours.assert_resumes(functools.partial(run, "dcomm", seed=99), rank, checkpoints, history, name)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -7,13 +7,13 @@ back), so the parameters equal torch's bit for bit; against a float32 allreduce 
 3 rounds in fp16 too).
 """
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_plsgd
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dcomm.ddp import (
     PostLocalSGDState,
@@ -22,39 +22,26 @@ from dcomm.ddp import (
     fp16_compress_wrapper,
     post_localSGD_hook,
 )
-from dcomm_testing import assert_close, assert_same_on_ranks, run_ranks
+from dcomm_testing import (
+    assert_close,
+    assert_same_on_ranks,
+    assert_updates_close,
+    run_ranks,
+    seeded_batch,
+    seeded_mlp,
+    train_ddp,
+)
 
 STEPS = 4
 RTOL = {torch.float16: 5e-3, torch.bfloat16: 2.5e-2}
 BUCKET_CAPS = [0.0003] * 8  # several buckets per step
 
 
-def make_model(dtype: torch.dtype = torch.float32) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3)).to(dtype)
-
-
 def train(hook, state: object, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     rank = dist.get_rank()
-    net = make_model(dtype)
-    ddp = DDP(net, bucket_cap_mb_list=BUCKET_CAPS)
-    ddp.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    for step in range(STEPS):
-        opt.zero_grad()
-        gen = torch.Generator().manual_seed(10_000 * step + rank)
-        ddp((torch.randn(5, 6, generator=gen) * (rank + 1)).to(dtype)).pow(2).sum().backward()
-        opt.step()
-    return [p.detach().clone() for p in net.parameters()]
-
-
-def assert_updates_close(ours: list[torch.Tensor], ref: list[torch.Tensor], rtol: float, what: str) -> None:
-    initial = list(make_model(ours[0].dtype).parameters())
-    for i, (a, b, start) in enumerate(zip(ours, ref, initial, strict=True)):
-        change = (b - start.detach()).abs().max().item()
-        assert change > 0, f"{what}: parameter {i} did not train"
-        error = (a - b).abs().max().item() / change
-        assert error <= rtol, f"{what}: parameter {i} off by {error:.2e} of its change, more than {rtol}"
+    model = seeded_mlp(6, 12, 3, dtype=dtype)
+    batch = functools.partial(seeded_batch, rank, shape=(5, 6), draw=torch.float32, dtype=dtype)
+    return train_ddp(model, hook, state, batch, STEPS, bucket_cap_mb_list=BUCKET_CAPS)
 
 
 def torch_wrapper(dtype: torch.dtype, hook):
@@ -73,7 +60,8 @@ def _parity(rank: int, world: int) -> None:
         rtol = RTOL[dtype]
         ours = train(ours_wrapper(allreduce_hook), None)
         assert_close(ours, train(torch_wrapper(dtype, torch_hooks.allreduce_hook), None), 0.0, f"{dtype} vs torch's")
-        assert_updates_close(ours, fp32, rtol, f"{dtype} vs the fp32 allreduce")
+        initial = list(seeded_mlp(6, 12, 3).parameters())
+        assert_updates_close(ours, fp32, initial, rtol, f"{dtype} vs the fp32 allreduce")
         assert_same_on_ranks(ours, f"{dtype} wrapper")
         # A hook with a state of its own: post-local SGD, global for all steps here.
         state = PostLocalSGDState(None, None, start_localSGD_iter=STEPS)

@@ -13,75 +13,38 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_plsgd
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dcomm.ddp import PostLocalSGDState, post_localSGD_hook
-from dcomm_testing import assert_close, run_ranks
+from dcomm_testing import BackwardOrderedMLP, DDPRun, assert_close, rank_groups, run_ranks, seeded_batch, seeded_mlp
 
 STEPS = 6
 START = 3
 BUCKET_CAPS = [0.0003] * 8  # several buckets per step: the counter must advance once per step
 
 
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
+def batch(step: int) -> torch.Tensor:
+    return seeded_batch(dist.get_rank(), step, (5, 6), draw=torch.float32)
 
 
-class BackwardOrdered(nn.Module):
-    """The same network as make_model(), parameters registered in the order backward fills them.
-
-    DDP lays out its first step's buckets in parameter order and rebuilds them in gradient-ready
-    order after it, so a freshly restored DDP reduces one step with a different layout; with more
-    than 2 ranks the sum then runs in a different order and can change the last bit. Registered
-    in ready order, both layouts are the same: a resumed run can be compared bit for bit.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        first, second = make_model()[0], make_model()[2]
-        self.b2, self.w2 = nn.Parameter(second.bias.detach()), nn.Parameter(second.weight.detach())
-        self.b1, self.w1 = nn.Parameter(first.bias.detach()), nn.Parameter(first.weight.detach())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(torch.tanh(nn.functional.linear(x, self.w1, self.b1)), self.w2, self.b2)
-
-
-def batch(rank: int, step: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(10_000 * step + rank)
-    return torch.randn(5, 6, generator=gen) * (rank + 1)
-
-
-class Run:
+class Run(DDPRun):
     """A DDP model, its optimizer, the hook state and an optional torch averager."""
 
     def __init__(
         self, hook: Callable, state: object, period: int = 0, caps: list | None = BUCKET_CAPS, ordered: bool = False
     ) -> None:
-        self.model = BackwardOrdered() if ordered else make_model()
-        self.ddp = DDP(self.model, bucket_cap_mb_list=caps)
-        self.ddp.register_comm_hook(state, hook)
-        self.state = state
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        model = BackwardOrderedMLP(6, 10, 3) if ordered else seeded_mlp(6, 10, 3)
+        super().__init__(model, hook, state, batch, bucket_cap_mb_list=caps)
         self.averager = PeriodicModelAverager(period, warmup_steps=START) if period else None
 
     def step(self, step: int) -> None:
-        self.opt.zero_grad()
-        self.ddp(batch(dist.get_rank(), step)).pow(2).sum().backward()
-        self.opt.step()
+        super().step(step)
         if self.averager is not None:
             self.averager.average_parameters(self.model.parameters())
 
     def train(self, first: int = 0, last: int = STEPS) -> list[torch.Tensor]:
-        for step in range(first, last):
-            self.step(step)
-        return self.params()
-
-    def params(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.model.parameters()]
+        return super().train(first, last)
 
     def checkpoint(self) -> dict:
         return copy.deepcopy(
@@ -92,22 +55,6 @@ class Run:
                 "averager_step": self.averager.step if self.averager else None,
             }
         )
-
-
-def agreement(params: list[torch.Tensor]) -> list[list[int]]:
-    """Ranks grouped by identical parameters, e.g. [[0, 1], [2, 3]]."""
-    flat = torch.cat([p.reshape(-1) for p in params])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
-    groups: list[list[int]] = []
-    for r, g in enumerate(gathered):
-        for group in groups:
-            if torch.equal(gathered[group[0]], g):
-                group.append(r)
-                break
-        else:
-            groups.append([r])
-    return groups
 
 
 def _switching(rank: int, world: int) -> None:
@@ -126,20 +73,20 @@ def _switching(rank: int, world: int) -> None:
         assert_close(mine, Run(torch_plsgd.post_localSGD_hook, theirs).train(), 0.0, f"post_local={post_local}")
         assert ours.iter == STEPS  # keeps counting after the switch
         assert theirs.iter == START  # torch's stops
-        assert agreement(mine) == (nodes if post_local else [[0], [1], [2], [3]])
+        assert rank_groups(mine) == (nodes if post_local else [[0], [1], [2], [3]])
 
         # Stopped before the switch, every rank still agrees: the switch happens at START.
         before = PostLocalSGDState(dist.group.WORLD, None, START, post_local_gradient_allreduce=post_local)
         params = Run(post_localSGD_hook, before).train(last=START)
         assert before.iter == START
-        assert agreement(params) == [[0, 1, 2, 3]]
+        assert rank_groups(params) == [[0, 1, 2, 3]]
 
     # Local from the first step.
     ours = PostLocalSGDState(None, None, 0)
     theirs = torch_plsgd.PostLocalSGDState(None, torch_node, 0)
     mine = Run(post_localSGD_hook, ours).train()
     assert_close(mine, Run(torch_plsgd.post_localSGD_hook, theirs).train(), 0.0, "start_localSGD_iter=0")
-    assert agreement(mine) == nodes
+    assert rank_groups(mine) == nodes
 
     # With torch's periodic averager after each optimizer step, as post-local SGD is meant to run.
     ours = PostLocalSGDState(None, None, START)
@@ -180,7 +127,7 @@ def test_switches_like_torch() -> None:
 
 def _resume(rank: int, world: int) -> None:
     # World 2: a sum of two is the same in any order, any bucket layout resumes exactly.
-    # World 4: one bucket whose layout DDP keeps (see BackwardOrdered).
+    # World 4: one bucket whose layout DDP keeps (see dcomm_testing.BackwardOrderedMLP).
     layout = {"caps": BUCKET_CAPS} if world == 2 else {"caps": None, "ordered": True}
     for post_local in (True, False):
         state = PostLocalSGDState(None, None, START, post_local)
@@ -190,7 +137,7 @@ def _resume(rank: int, world: int) -> None:
             reference.step(step)
             checkpoints.append(reference.checkpoint())
         final = reference.params()
-        assert agreement(final) != [list(range(world))]  # the run ended between averages
+        assert rank_groups(final) != [list(range(world))]  # the run ended between averages
 
         for stopped in (1, START - 1, START, STEPS - 2):  # before, at and after the switch
             ckpt = checkpoints[stopped - 1]

@@ -9,8 +9,6 @@ import copy
 import functools
 import inspect
 import io
-import multiprocessing.forkserver
-import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -24,77 +22,47 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import dcomm.ddp
 from dcomm.ddp import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from dcomm.ddp._seed_stream import SeedStream
-from dcomm_testing import assert_close, assert_same_on_ranks, run_ranks
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _preload_ddp_in_forkserver() -> None:
-    if sys.platform.startswith("linux"):
-        multiprocessing.forkserver.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
-        multiprocessing.forkserver.ensure_running()
-
+from dcomm_testing import DDPRun, assert_close, assert_same_on_ranks, rank_device, run_ranks, seeded_batch, seeded_mlp
 
 STEPS = 6
 TIMEOUT = 240.0
 
 
-def device() -> torch.device:
-    """CUDA on NCCL ranks, else CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def make_model() -> nn.Module:
-    torch.manual_seed(0)
     # Two 24x24 weights (same shape: batched when asked), a 16x24 and a 24x3 one; biases and the
     # 24x3 weight are too small to compress at rank >= 2 and go uncompressed.
-    return nn.Sequential(
-        nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 3)
-    ).to(device())
+    return seeded_mlp(16, 24, 24, 24, 3, device=rank_device())
 
 
-def batch(rank: int, step: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(10_000 * step + rank)
-    return (torch.randn(8, 16, generator=gen) * (rank + 1)).to(device())
+def batch(step: int) -> torch.Tensor:
+    return seeded_batch(dist.get_rank(), step, (8, 16), draw=torch.float32).to(rank_device())
 
 
-class Run:
-    """A DDP model with a hook, trained step by step with SGD and momentum."""
+class Run(DDPRun):
+    """A DDP model with a hook, trained step by step with SGD and momentum; it counts its steps."""
 
     def __init__(self, hook: Callable, state: object, bucket_cap_mb: float = 25.0) -> None:
-        self.net = make_model()
-        self.ddp = DDP(self.net, bucket_cap_mb=bucket_cap_mb)
-        self.ddp.register_comm_hook(state, hook)
-        self.state = state
-        self.opt = torch.optim.SGD(self.net.parameters(), lr=0.05, momentum=0.9)
-        self.step = 0
+        super().__init__(make_model(), hook, state, batch, bucket_cap_mb=bucket_cap_mb)
+        self.done = 0
 
-    def train(self, steps: int) -> list[torch.Tensor]:
-        rank = dist.get_rank()
-        for _ in range(steps):
-            self.opt.zero_grad()
-            self.ddp(batch(rank, self.step)).pow(2).sum().backward()
-            self.opt.step()
-            self.step += 1
-        return self.params()
-
-    def params(self) -> list[torch.Tensor]:
-        return [p.detach().clone() for p in self.net.parameters()]
+    def train(self, steps: int) -> list[torch.Tensor]:  # steps from where it stopped
+        params = super().train(self.done, self.done + steps)
+        self.done += steps
+        return params
 
     def checkpoint(self) -> dict:
         return {
-            "model": {k: v.clone() for k, v in self.net.state_dict().items()},
+            "model": {k: v.clone() for k, v in self.model.state_dict().items()},
             "opt": copy.deepcopy(self.opt.state_dict()),  # its tensors are the live ones
             "hook": self.state.state_dict(),
-            "step": self.step,
+            "step": self.done,
         }
 
     def restore(self, ckpt: dict) -> None:
-        self.net.load_state_dict(ckpt["model"])
+        self.model.load_state_dict(ckpt["model"])
         self.opt.load_state_dict(copy.deepcopy(ckpt["opt"]))
         self.state.load_state_dict(ckpt["hook"])
-        self.step = ckpt["step"]
+        self.done = ckpt["step"]
 
 
 CONFIGS = [

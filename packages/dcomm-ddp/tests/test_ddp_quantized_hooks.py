@@ -2,30 +2,28 @@
 feedback over many steps, bit-identical resume, and the bytes on the wire."""
 
 import io
-import multiprocessing.forkserver
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dcomm.ddp
 from dcomm.core.quantization import max_code
 from dcomm.ddp import QuantizedState, fp8_compress_hook, int8_compress_hook, quantized_allreduce_bytes
-from dcomm_testing import quantization_half_step, run_ranks
+from dcomm_testing import (
+    assert_same_on_ranks,
+    assert_updates_close,
+    quantization_half_step,
+    run_ranks,
+    seeded_mlp,
+    seeded_normal,
+    spread_normal,
+    train_ddp,
+)
 
 TIMEOUT = 240.0
 HOOKS = {"int8": int8_compress_hook, "fp8": fp8_compress_hook}
 BLOCK = 32
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _preload_ddp_in_forkserver() -> None:
-    if sys.platform.startswith("linux"):
-        multiprocessing.forkserver.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
-        multiprocessing.forkserver.ensure_running()
 
 
 class Bucket:
@@ -46,9 +44,7 @@ class Bucket:
 
 def grad(rank: int, step: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Different on every rank and step, with magnitudes spanning 1e-4..1e1."""
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    scale = torch.logspace(-4, 1, numel, dtype=torch.float64)[torch.randperm(numel, generator=gen)]
-    return (torch.randn(numel, generator=gen, dtype=torch.float64) * scale * (rank + 1)).to(dtype)
+    return spread_normal(1000 * step + rank, numel, (-4, 1), scale=rank + 1, dtype=dtype)
 
 
 def _bounds_and_bytes(rank: int, world: int) -> None:
@@ -155,35 +151,21 @@ def test_bit_identical_resume() -> None:
 
 
 def _ddp_training(rank: int, world: int) -> None:
-    def model() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    def batch(step: int) -> torch.Tensor:
+        return seeded_normal(100 * step + rank, (8, 16), scale=rank + 1, draw=torch.float32)
 
     def train(hook: object, state: object) -> list[torch.Tensor]:
-        net = model()
-        ddp = DDP(net, bucket_cap_mb=0.01)  # several buckets in flight at once
-        ddp.register_comm_hook(state, hook)
-        opt = torch.optim.SGD(net.parameters(), lr=0.02, momentum=0.9)
-        for step in range(6):
-            opt.zero_grad()
-            gen = torch.Generator().manual_seed(100 * step + rank)
-            ddp(torch.randn(8, 16, generator=gen) * (rank + 1)).pow(2).sum().backward()
-            opt.step()
-        return [p.detach().clone() for p in net.parameters()]
+        # bucket_cap_mb=0.01: several buckets in flight at once.
+        return train_ddp(seeded_mlp(16, 64, 64, 4), hook, state, batch, 6, lr=0.02, bucket_cap_mb=0.01)
 
     exact = train(dcomm.ddp.allreduce_hook, None)
-    start = [p.detach().clone() for p in model().parameters()]
+    start = [p.detach().clone() for p in seeded_mlp(16, 64, 64, 4).parameters()]
     for name, hook in HOOKS.items():
         state = QuantizedState(None)
         params = train(hook, state)
         rtol = {"int8": 0.05, "fp8": 0.15}[name]  # of each parameter's change: 2^-7 vs 2^-4 per value
-        for p, q, p0 in zip(params, exact, start, strict=True):
-            gathered = [torch.empty_like(p) for _ in range(world)]
-            dist.all_gather(gathered, p)
-            assert all(torch.equal(g, p) for g in gathered), f"{name}: replicas differ"
-            change = (q - p0).abs().max().item()
-            error = (p - q).abs().max().item() / change
-            assert error <= rtol, f"{name}: off by {error:.3f} of the parameter's change"
+        assert_same_on_ranks(params, name)
+        assert_updates_close(params, exact, start, rtol, name)
         # Tiny buckets here (padding to whole blocks per rank): see the byte test for real sizes.
         fp32_bytes = 2 * (world - 1) / world * 4 * sum(p.numel() for p in params) * 6
         assert 0 < state.bytes_sent <= 0.4 * fp32_bytes, (state.bytes_sent, fp32_bytes)

@@ -14,6 +14,7 @@ import functools
 import inspect
 import itertools
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ from dcomm.ddp import (
     hook_with_zero_step_interleaved,
     post_localSGD_hook,
 )
-from dcomm_testing import run_ranks
+from dcomm_testing import assert_same_on_ranks, flat_parameters, run_ranks, seeded_mlp, seeded_normal
 
 BUILDERS = {"step": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
 OPTIMS = {
@@ -50,14 +51,12 @@ def make_model(even: bool = False) -> torch.nn.Module:
         # 8 equal 1 KB weights: settled buckets of 4, whose pieces balance on 2 and 4 ranks, so
         # shard_buckets=True takes the one-reduce-scatter / one-all-gather path per bucket.
         return torch.nn.Sequential(*(torch.nn.Linear(8, 8, bias=False) for _ in range(8)))
-    return torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
-    )
+    return seeded_mlp(8, 16, 16, 4, activation=torch.nn.ReLU)
 
 
 def batch(rank: int, step: int) -> torch.Tensor:
     """Different data on every rank and every step."""
-    return torch.randn(6, 8, generator=torch.Generator().manual_seed(1000 * rank + step)) * (rank + 1)
+    return seeded_normal(1000 * rank + step, (6, 8), scale=rank + 1, draw=torch.float32)
 
 
 def train_step(ddp: DDP, zero: ZeroRedundancyOptimizer, x: torch.Tensor, overlap: bool) -> None:
@@ -65,16 +64,6 @@ def train_step(ddp: DDP, zero: ZeroRedundancyOptimizer, x: torch.Tensor, overlap
     ddp(x).square().sum().backward()
     if not overlap:
         zero.step()
-
-
-def flat_params(module: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-
-
-def assert_same_on_all_ranks(t: torch.Tensor) -> None:
-    ref = t.clone()
-    dist.broadcast(ref, src=0)
-    assert torch.equal(t, ref), "ranks disagree on the parameters"
 
 
 def overlapped(
@@ -95,9 +84,14 @@ def overlapped(
     return model, ddp, zero
 
 
-def reference(optim: str, static: bool, even: bool = False) -> tuple[torch.nn.Module, DDP, ZeroRedundancyOptimizer]:
+def reference(
+    optim: str, static: bool, even: bool = False, hook: object = None
+) -> tuple[torch.nn.Module, DDP, ZeroRedundancyOptimizer]:
+    """DDP (with ``hook`` when given) and a non-overlapped ZeRO: what the overlapped run must equal."""
     model = make_model(even)
     ddp = DDP(model, bucket_cap_mb=BUCKET_MB, static_graph=static)
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
     cls, kwargs = OPTIMS[optim]
     return model, ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=cls, **kwargs)
 
@@ -120,24 +114,38 @@ class _CountingHook:
         return self.hook(state, bucket)
 
 
+Run = tuple[torch.nn.Module, DDP, ZeroRedundancyOptimizer]
+
+
+def steps_against_reference(case: str, rank: int, steps: int, ours: Run, ref: Run, tol: dict) -> Iterator[int]:
+    """Train ``ours`` (overlapped) and ``ref`` (plain ZeRO) side by side; yield each step once checked.
+
+    After every step the overlapped parameters have moved, equal the reference's within ``tol``
+    and are the same on every rank.
+    """
+    (model, ddp, zero), (ref_model, ref_ddp, ref_zero) = ours, ref
+    before = flat_parameters(model)
+    for step in range(steps):
+        x = batch(rank, step)
+        train_step(ddp, zero, x, overlap=True)
+        train_step(ref_ddp, ref_zero, x, overlap=False)
+        params, theirs = flat_parameters(model), flat_parameters(ref_model)
+        assert not torch.equal(params, before), f"{case}: step {step} did not update the parameters"
+        torch.testing.assert_close(params, theirs, **tol, msg=lambda m, s=step: f"{case} step {s}: {m}")
+        assert_same_on_ranks([params], "the parameters")
+        yield step
+        before = params
+
+
 def _matrix(rank: int, world: int, steps: int = 4) -> list[str]:
     seen = []
     wrapped = itertools.cycle([allreduce_hook, torch_hooks.allreduce_hook])
     for builder, optim, static, shard in itertools.product(BUILDERS, OPTIMS, (False, True), (False, True)):
         case = f"{builder}-{optim}-static{static}-shard{shard}"
         counting = _CountingHook(next(wrapped))
-        model, ddp, zero = overlapped(builder, optim, static, shard, counting)
-        ref_model, ref_ddp, ref_zero = reference(optim, static)
-        before = flat_params(model)
-        for step in range(steps):
-            x = batch(rank, step)
-            train_step(ddp, zero, x, overlap=True)
-            train_step(ref_ddp, ref_zero, x, overlap=False)
-            ours, theirs = flat_params(model), flat_params(ref_model)
-            assert not torch.equal(ours, before), f"{case}: step {step} did not update the parameters"
-            torch.testing.assert_close(ours, theirs, msg=lambda m, c=case, s=step: f"{c} step {s}: {m}")
-            assert_same_on_all_ranks(ours)
-            before = ours
+        ours = overlapped(builder, optim, static, shard, counting)
+        for _ in steps_against_reference(case, rank, steps, ours, reference(optim, static), {}):
+            pass
         # The run went through DDP's bucket rebuild: one bucket first, several afterwards.
         assert counting.buckets[0] == 1, (case, counting.buckets)
         assert counting.buckets[-1] > 1, (case, counting.buckets)
@@ -179,20 +187,13 @@ def _rs_matrix(rank: int, world: int, steps: int = 4) -> list[str]:
         case = f"rs-{builder}-{optim}-static{static}-even{even}"
         # Element-wise sharding: every bucket is cut into `world` equal slices, across parameter
         # boundaries (the uneven model's weights do not divide evenly), whatever shard_buckets says.
-        model, ddp, zero = overlapped(builder, optim, static, even, next(wrapped), rs=True, even=even)
-        ref_model, ref_ddp, ref_zero = reference(optim, static, even=even)
+        ours = overlapped(builder, optim, static, even, next(wrapped), rs=True, even=even)
+        ref = reference(optim, static, even=even)
+        zero, ref_model = ours[2], ref[0]
         driver = _driver(zero)
         assert len(zero.optim.param_groups[0]["params"]) == len(driver.layout)
         assert {s.numel() for s in zero.optim.param_groups[0]["params"]} <= {sh.chunk for sh in driver.layout}
-        before = flat_params(model)
-        for step in range(steps):
-            x = batch(rank, step)
-            train_step(ddp, zero, x, overlap=True)
-            train_step(ref_ddp, ref_zero, x, overlap=False)
-            ours, theirs = flat_params(model), flat_params(ref_model)
-            assert not torch.equal(ours, before), f"{case}: step {step} did not update the parameters"
-            torch.testing.assert_close(ours, theirs, **RS_TOL, msg=lambda m, c=case, s=step: f"{c} step {s}: {m}")
-            assert_same_on_all_ranks(ours)
+        for step in steps_against_reference(case, rank, steps, ours, ref, RS_TOL):
             _check_owned_grads(f"{case} step {step}", zero, ref_model, rank)
             counts = (driver.fast_buckets, driver.fallback_buckets)
             if step < (2 if static else 1):
@@ -204,7 +205,6 @@ def _rs_matrix(rank: int, world: int, steps: int = 4) -> list[str]:
                 assert counts == (len(driver.layout), 0), (case, step, counts)
                 assert len(driver.layout) > 1, case
             assert driver.fallbacks == 0, (case, step)  # the first iterations are not counted
-            before = ours
         seen.append(case)
     return seen
 
@@ -234,10 +234,9 @@ def _accumulation(rank: int, world: int) -> list[str]:
             ref_ddp(x).square().sum().backward()
             ref_zero.step()
             tol = RS_TOL if rs else {}
-            torch.testing.assert_close(
-                flat_params(model), flat_params(ref_model), **tol, msg=lambda m, c=case, s=step: f"{c} step {s}: {m}"
-            )
-            assert_same_on_all_ranks(flat_params(model))
+            ours, theirs = flat_parameters(model), flat_parameters(ref_model)
+            torch.testing.assert_close(ours, theirs, **tol, msg=lambda m, c=case, s=step: f"{c} step {s}: {m}")
+            assert_same_on_ranks([ours], "the parameters")
         seen.append(case)
     return seen
 
@@ -331,8 +330,8 @@ def _fallback(rank: int, world: int) -> list[int]:
                 train_step(ref_ddp, ref_zero, batch(rank, step), overlap=False)
                 for sgd in extra:
                     sgd.step()
-                torch.testing.assert_close(flat_params(model), flat_params(ref_model), **RS_TOL)
-                assert_same_on_all_ranks(flat_params(model))
+                torch.testing.assert_close(flat_parameters(model), flat_parameters(ref_model), **RS_TOL)
+                assert_same_on_ranks([flat_parameters(model)], "the parameters")
         said = [str(w.message) for w in caught if "fallback_count" in str(w.message)]
         if kind == "not owned":
             # Settled buckets with a parameter ZeRO does not own: counted from step 2 on (every
@@ -389,9 +388,9 @@ def _reordered(rank: int, world: int) -> list[str]:
             train_step(ref_ddp, ref_zero, batch(rank, step), overlap=False)
             where = f"{case} step {step}"
             torch.testing.assert_close(
-                flat_params(model), flat_params(ref_model), **RS_TOL, msg=lambda m, w=where: f"{w}: {m}"
+                flat_parameters(model), flat_parameters(ref_model), **RS_TOL, msg=lambda m, w=where: f"{w}: {m}"
             )
-            assert_same_on_all_ranks(flat_params(model))
+            assert_same_on_ranks([flat_parameters(model)], "the parameters")
         pieces = [piece for plan in driver.plans.values() for piece in plan.pieces]
         assert any(len(piece.runs) > 1 for piece in pieces), f"{case}: no bucket came in another order"
         assert (driver.fast_buckets, driver.fallback_buckets) == (len(driver.layout), 0), case
@@ -430,10 +429,10 @@ def _first_step(rank: int, world: int) -> None:
     train_step(ref_ddp, ref_zero, x, overlap=False)
 
     model, ddp, zero = overlapped("step", "sgd", False, False)
-    initial = flat_params(model)
+    initial = flat_parameters(model)
     train_step(ddp, zero, x, overlap=True)
-    torch.testing.assert_close(flat_params(model), flat_params(ref_model))
-    assert not torch.equal(flat_params(model), initial)
+    torch.testing.assert_close(flat_parameters(model), flat_parameters(ref_model))
+    assert not torch.equal(flat_parameters(model), initial)
 
     # torch's hook on the same setup performs no update at step 1 (it refuses gloo, so tell it
     # the backend is NCCL; its non-interleaved hook issues no collective from a callback).
@@ -449,7 +448,7 @@ def _first_step(rank: int, world: int) -> None:
         torch_zero_hook.dist.get_backend = real_get_backend
     torch_ddp.register_comm_hook(None, torch_hook)
     train_step(torch_ddp, torch_zero, x, overlap=True)
-    assert torch.equal(flat_params(torch_model), initial), "torch's overlap hook now updates at step 1"
+    assert torch.equal(flat_parameters(torch_model), initial), "torch's overlap hook now updates at step 1"
 
 
 # -- checkpoints at any step, and resume -----------------------------------------------------------
@@ -474,7 +473,7 @@ def _resume(rank: int, world: int, steps: int = 4) -> None:
         trajectory = []
         for step in range(steps):
             train_step(ddp, zero, batch(rank, step), overlap=True)
-            trajectory.append(flat_params(model))
+            trajectory.append(flat_parameters(model))
 
         for stop in (0, 2):
             # Interrupted run: checkpoint after `stop` steps (0: before the first update, where
@@ -491,7 +490,7 @@ def _resume(rank: int, world: int, steps: int = 4) -> None:
             zero.load_state_dict(saved_zero)
             for step in range(stop, steps):
                 train_step(ddp, zero, batch(rank, step), overlap=True)
-                assert torch.equal(flat_params(model), trajectory[step]), f"{case} resumed at {stop}, step {step}"
+                assert torch.equal(flat_parameters(model), trajectory[step]), f"{case} resumed at {stop}, step {step}"
 
     # torch's overlap optimizer cannot even be checkpointed before DDP settles its buckets.
     torch_zero = ZeroRedundancyOptimizer(
@@ -520,7 +519,7 @@ def _interchangeable(rank: int, world: int) -> None:
         for step in range(2, 4):
             train_step(ddp, zero, batch(rank, step), overlap=True)
             train_step(ref_ddp, ref_zero, batch(rank, step), overlap=False)
-            torch.testing.assert_close(flat_params(model), flat_params(ref_model), **tol)
+            torch.testing.assert_close(flat_parameters(model), flat_parameters(ref_model), **tol)
         # ... and back: the overlap checkpoint resumes a non-overlapped ZeRO, and the other layout.
         ours = _consolidated(zero)
         theirs = _consolidated(ref_zero)
@@ -539,36 +538,26 @@ def _interchangeable(rank: int, world: int) -> None:
             train_step(ddp, zero, batch(rank, step), overlap=True)
             train_step(back_ddp, back_zero, batch(rank, step), overlap=False)
             train_step(other_ddp, other_zero, batch(rank, step), overlap=True)
-            torch.testing.assert_close(flat_params(back_model), flat_params(model), **RS_TOL)
-            torch.testing.assert_close(flat_params(other_model), flat_params(model), **RS_TOL)
+            torch.testing.assert_close(flat_parameters(back_model), flat_parameters(model), **RS_TOL)
+            torch.testing.assert_close(flat_parameters(other_model), flat_parameters(model), **RS_TOL)
 
 
 # -- the bf16 hook, wrapped ------------------------------------------------------------------------
 
 
 def _bf16(rank: int, world: int) -> None:
-    for builder in BUILDERS:
-        model, ddp, zero = overlapped(builder, "adam", False, True, bf16_compress_hook)
-        ref_model = make_model()
-        ref_ddp = DDP(ref_model, bucket_cap_mb=BUCKET_MB)
-        ref_ddp.register_comm_hook(None, bf16_compress_hook)
-        ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+    # Same bf16 communication on both sides: the same fp32 result. reduce_scatter=True communicates
+    # the same bf16 values (divided, then summed, then cast back), summed in another order.
+    cases = [(builder, bf16_compress_hook, False, {}) for builder in BUILDERS]
+    rs_hooks = (bf16_compress_hook, torch_hooks.fp16_compress_hook)
+    cases += [(builder, hook, True, RS_TOL) for builder, hook in zip(BUILDERS, rs_hooks, strict=True)]
+    for builder, hook, rs, tol in cases:
+        model, ddp, zero = overlapped(builder, "adam", False, True, hook, rs=rs)
+        ref_model, ref_ddp, ref_zero = reference("adam", False, hook=hook)
         for step in range(3):
             train_step(ddp, zero, batch(rank, step), overlap=True)
             train_step(ref_ddp, ref_zero, batch(rank, step), overlap=False)
-            # Same bf16 communication on both sides: the same fp32 result.
-            torch.testing.assert_close(flat_params(model), flat_params(ref_model))
-    # reduce_scatter=True communicates the same bf16 values (divided, then summed, then cast back).
-    for builder, hook in zip(BUILDERS, (bf16_compress_hook, torch_hooks.fp16_compress_hook), strict=True):
-        model, ddp, zero = overlapped(builder, "adam", False, True, hook, rs=True)
-        ref_model = make_model()
-        ref_ddp = DDP(ref_model, bucket_cap_mb=BUCKET_MB)
-        ref_ddp.register_comm_hook(None, hook)
-        ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
-        for step in range(3):
-            train_step(ddp, zero, batch(rank, step), overlap=True)
-            train_step(ref_ddp, ref_zero, batch(rank, step), overlap=False)
-            torch.testing.assert_close(flat_params(model), flat_params(ref_model), **RS_TOL)
+            torch.testing.assert_close(flat_parameters(model), flat_parameters(ref_model), **tol)
 
 
 # -- errors ------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dcomm.ddp import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved, step_mode_of
 from dcomm.ddp._zero.step_mode import PATHS, Calibration
-from dcomm_testing import run_ranks
+from dcomm_testing import flat_parameters, run_ranks, seeded_mlp, seeded_normal
 
 BUCKET_MB = 0.001  # several buckets once DDP settles its layout
 RS_TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -94,18 +94,11 @@ def _agreement(rank: int, world: int) -> list[str]:
 
 
 def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
-    )
+    return seeded_mlp(8, 16, 16, 4, activation=torch.nn.ReLU)
 
 
 def _batch(rank: int, step: int) -> torch.Tensor:
-    return torch.randn(6, 8, generator=torch.Generator().manual_seed(1000 * rank + step)) * (rank + 1)
-
-
-def _flat(module: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    return seeded_normal(1000 * rank + step, (6, 8), scale=rank + 1, draw=torch.float32)
 
 
 def _auto(rank: int, world: int) -> list[str]:
@@ -136,7 +129,8 @@ def _auto(rank: int, world: int) -> list[str]:
             ref_ddp(_batch(rank, step)).square().sum().backward()
             ref_zero.step()
             where = f"{case} step {step}"
-            torch.testing.assert_close(_flat(model), _flat(ref_model), **RS_TOL, msg=lambda m, w=where: f"{w}: {m}")
+            ours, theirs = flat_parameters(model), flat_parameters(ref_model)
+            torch.testing.assert_close(ours, theirs, **RS_TOL, msg=lambda m, w=where: f"{w}: {m}")
             modes.append(step_mode_of(hook))
         assert modes[:8] == [None] * 8, (case, modes)
         assert modes[8] in PATHS, (case, modes)
@@ -224,7 +218,7 @@ def _cuda_paths(rank: int, world: int) -> list[str]:
                 d(x).square().sum().backward()
             ref_zero.step()
             where = f"{mode}-rs{rs} step {step}"
-            ours, theirs = _flat(model), _flat(ref_model)
+            ours, theirs = flat_parameters(model), flat_parameters(ref_model)
             torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5, msg=lambda m, w=where: f"{w}: {m}")
         chosen = step_mode_of(hook)
         assert chosen in PATHS, (mode, chosen)

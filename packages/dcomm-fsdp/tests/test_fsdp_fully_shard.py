@@ -18,6 +18,7 @@ target has no backward before torch 2.12: "Found dtype Float but expected BFloat
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 
@@ -31,7 +32,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 import dcomm.fsdp.fully_shard as fully_shard_module
 from dcomm.core import divide_factors
 from dcomm.fsdp import LowPrecisionReduceScatter, low_precision_mp_policy, use_low_precision_reduction
-from dcomm_testing import run_ranks
+from dcomm_testing import assert_close, recorded_calls, run_ranks, seeded_mlp, seeded_pair, train_sgd
 
 STEPS = 3
 TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -49,10 +50,7 @@ def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def build(mp_policy: MixedPrecisionPolicy | None = None) -> tuple[nn.Module, nn.Module]:
     """(a fully_shard model on a CPU mesh, an unsharded float64 copy with the same weights)."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 5))
-    ref = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 5)).double()
-    ref.load_state_dict(net.state_dict())
+    net, ref = seeded_mlp(6, 9, 5), seeded_mlp(6, 9, 5, dtype=torch.float64)
     kwargs: dict = {"mesh": cpu_mesh()}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
@@ -62,8 +60,7 @@ def build(mp_policy: MixedPrecisionPolicy | None = None) -> tuple[nn.Module, nn.
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(4, 6, generator=gen) * (rank + 1), torch.randn(4, 5, generator=gen)
+    return seeded_pair(1000 * step + rank, (4, 6), (4, 5), x_scale=rank + 1)
 
 
 def exact_mean_grads(ref: nn.Module, world: int) -> list[torch.Tensor]:
@@ -75,44 +72,24 @@ def exact_mean_grads(ref: nn.Module, world: int) -> list[torch.Tensor]:
     return [p.grad.clone() for p in ref.parameters()]
 
 
+def reduce_scatter_input_dtype(reducer: object, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.dtype:
+    """The input's dtype, from a ``LowPrecisionReduceScatter`` call's arguments."""
+    return (kwargs["input_tensor"] if "input_tensor" in kwargs else args[1]).dtype
+
+
 def train(net: nn.Module, rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(full first-step gradients, full parameters after STEPS SGD steps)."""
-    opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    first: list[torch.Tensor] = []
-    for step in range(STEPS):
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        loss(net(x), y).backward()
-        if step == 0:
-            first = [p.grad.full_tensor() for p in net.parameters()]
-        opt.step()
-    return first, [p.detach().full_tensor() for p in net.parameters()]
+    return train_sgd(net, functools.partial(batch, rank), STEPS, loss=loss, keep=lambda t: t.detach().full_tensor())
 
 
-def assert_close(ours: list[torch.Tensor], ref: list[torch.Tensor], tol: float, what: str) -> None:
-    assert len(ours) == len(ref) > 0
-    for a, b in zip(ours, ref, strict=True):
-        assert a.dtype == torch.float32, (what, a.dtype)
-        b = b.to(torch.float64)
-        torch.testing.assert_close(
-            a.double(), b, rtol=tol, atol=tol * b.abs().max().item(), msg=lambda m: f"{what}: {m}"
-        )
+assert_fp32_close = functools.partial(assert_close, dtype=torch.float32)
+"""Close within ``tol`` of the reference's largest value; ours always float32."""
 
 
 def train_spied(net: nn.Module, rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.dtype]]:
     """:func:`train`, also returning the dtype of every input LowPrecisionReduceScatter received."""
-    calls: list[torch.dtype] = []
-    real_call = LowPrecisionReduceScatter.__call__
-
-    def spy(self, *args, _real=real_call, **kw):  # type: ignore[no-untyped-def]
-        calls.append(kw["input_tensor"].dtype if "input_tensor" in kw else args[1].dtype)
-        return _real(self, *args, **kw)
-
-    LowPrecisionReduceScatter.__call__ = spy  # type: ignore[method-assign]
-    try:
+    with recorded_calls(LowPrecisionReduceScatter, "__call__", reduce_scatter_input_dtype) as calls:
         grads, params = train(net, rank)
-    finally:
-        LowPrecisionReduceScatter.__call__ = real_call  # type: ignore[method-assign]
     return grads, params, calls
 
 
@@ -158,7 +135,7 @@ def _fully_shard(rank: int, world: int) -> None:
     net, ref = build()
     exact = exact_mean_grads(ref, world)
     fp32_grads, fp32_params = train(net, rank)
-    assert_close(fp32_grads, exact, 1e-6, "fp32 fully_shard")
+    assert_fp32_close(fp32_grads, exact, 1e-6, "fp32 fully_shard")
 
     for dtype, tol in TOL.items():
         for mp in (None, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)):
@@ -171,9 +148,9 @@ def _fully_shard(rank: int, world: int) -> None:
             # Both FSDP units reduced through dcomm, every step, on input FSDP2 had already cast.
             assert calls == [dtype] * (2 * STEPS), (what, calls)
             grad_tol = tol if mp is None else 2e-2  # bf16 compute dominates the error
-            assert_close(grads, exact, grad_tol, f"{what} gradients vs float64 mean")
+            assert_fp32_close(grads, exact, grad_tol, f"{what} gradients vs float64 mean")
             if mp is None:
-                assert_close(params, fp32_params, tol, f"{what} parameters vs float32 reduction")
+                assert_fp32_close(params, fp32_params, tol, f"{what} parameters vs float32 reduction")
                 # The reduction really ran in low precision.
                 assert any(not torch.equal(a, b) for a, b in zip(grads, fp32_grads, strict=True)), what
 
@@ -194,7 +171,7 @@ def _fully_shard(rank: int, world: int) -> None:
         use_low_precision_reduction(net, dtype)
         grads, _, calls = train_spied(net, rank)
         assert calls == [dtype] * (2 * STEPS), (f"{dtype} after lazy init", calls)
-        assert_close(grads, exact, tol, f"{dtype} after lazy init: gradients vs float64 mean")
+        assert_fp32_close(grads, exact, tol, f"{dtype} after lazy init: gradients vs float64 mean")
 
         # Where the reduce dtype cannot be set, the reduce-scatter casts by itself: correct, warns once.
         real_set = fully_shard_module._set_reduce_dtype
@@ -223,8 +200,8 @@ def _fully_shard(rank: int, world: int) -> None:
         assert len(warned) == (1 if rank == 0 else 0), warned  # once per process, on rank 0 only
         assert sum(rs.fallbacks for rs in instances.values()) == len(calls)  # every fallback counted
         assert calls == [torch.float32] * (2 * STEPS), (f"{dtype} fallback", calls)
-        assert_close(grads, exact, tol, f"{dtype} fallback: gradients vs float64 mean")
-        assert_close(params, fp32_params, tol, f"{dtype} fallback: parameters vs float32 reduction")
+        assert_fp32_close(grads, exact, tol, f"{dtype} fallback: gradients vs float64 mean")
+        assert_fp32_close(params, fp32_params, tol, f"{dtype} fallback: parameters vs float32 reduction")
 
     if world == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))

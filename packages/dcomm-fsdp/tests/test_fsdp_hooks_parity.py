@@ -18,6 +18,8 @@ expected BFloat16", pytorch/pytorch#94086), whatever the hook.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,7 +30,7 @@ from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 
 import dcomm.fsdp
 from dcomm.core import DefaultState, LowPrecisionState
-from dcomm_testing import cpu_record_stream_is_noop, run_ranks
+from dcomm_testing import assert_close, cpu_record_stream_is_noop, run_ranks, seeded_mlp, seeded_pair, train_sgd
 
 STEPS = 3
 STRATEGIES = (ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.FULL_SHARD)
@@ -37,30 +39,24 @@ TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 def make_model(strategy: ShardingStrategy, mixed_precision: MixedPrecision | None = None) -> FSDP:
     """Same initial weights on every rank; an inner FSDP unit and a root unit (101 + 45 numel)."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5))
+    net = seeded_mlp(6, 8, 5)
     kwargs = {"sharding_strategy": strategy, "device_id": torch.device("cpu"), "mixed_precision": mixed_precision}
     net[0] = FSDP(net[0], **kwargs)
     return FSDP(net, **kwargs)
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(4, 6, generator=gen) * (rank + 1), torch.randn(4, 5, generator=gen)
+    return seeded_pair(100 * step + rank, (4, 6), (4, 5), x_scale=rank + 1)
+
+
+def float32_mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out.float(), y)
 
 
 def train(model: FSDP, rank: int, steps: int = STEPS) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Return (this rank's flat parameter shards after ``steps`` SGD steps, first-step gradients)."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    first_grads: list[torch.Tensor] = []
-    for step in range(steps):
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x).float(), y).backward()
-        if step == 0:
-            first_grads = [p.grad.detach().clone() for p in model.parameters()]
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()], first_grads
+    first_grads, params = train_sgd(model, functools.partial(batch, rank), steps, loss=float32_mse)
+    return params, first_grads
 
 
 def trained(strategy: ShardingStrategy, state: object, hook: object, rank: int, **kw: object) -> tuple:
@@ -71,11 +67,8 @@ def trained(strategy: ShardingStrategy, state: object, hook: object, rank: int, 
 
 
 def assert_all_close(ours: list[torch.Tensor], theirs: list[torch.Tensor], rtol: float, what: str) -> None:
-    assert len(ours) == len(theirs) > 0, what
-    for a, b in zip(ours, theirs, strict=True):
-        assert a.dtype == b.dtype == torch.float32, (what, a.dtype, b.dtype)
-        scale = b.abs().max().item()
-        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{what}: {m}")
+    assert all(b.dtype == torch.float32 for b in theirs), what
+    assert_close(ours, theirs, rtol, what, dtype=torch.float32)
 
 
 def _parity(rank: int, world: int) -> None:

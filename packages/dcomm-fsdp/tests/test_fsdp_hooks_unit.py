@@ -28,7 +28,7 @@ from dcomm.fsdp import (
     reduce_scatter_hook,
     register_comm_hook,
 )
-from dcomm_testing import run_ranks
+from dcomm_testing import run_ranks, seeded_normal
 
 EXPECTED_FACTORS = {2: (2.0, 1.0), 3: (2.0, 1.5), 4: (2.0, 2.0), 8: (4.0, 2.0)}
 
@@ -40,8 +40,7 @@ def test_divide_factors_match_torch(world: int) -> None:
 
 
 def rank_grad(rank: int, numel: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(7 + rank)
-    return torch.randn(numel, generator=gen, dtype=torch.float64) * (rank + 1)
+    return seeded_normal(7 + rank, (numel,), scale=rank + 1)
 
 
 def fake_state(world: int, group: dist.ProcessGroup, parameter_type: torch.dtype = torch.float32) -> object:

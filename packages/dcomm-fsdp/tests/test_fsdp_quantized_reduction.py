@@ -17,16 +17,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dcomm.fsdp import QuantizedReduceScatter, use_quantized_reduction
-from dcomm_testing import quantization_half_step, run_ranks
+from dcomm_testing import quantization_half_step, run_ranks, seeded_mlp, seeded_pair, spread_normal
 
 TIMEOUT = 240.0
 BLOCK = 16
 
 
 def chunk_data(rank: int, numel: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(rank)
-    scale = torch.logspace(-3, 1, numel, dtype=torch.float64)[torch.randperm(numel, generator=gen)]
-    return (torch.randn(numel, generator=gen, dtype=torch.float64) * scale * (rank + 1)).float()
+    return spread_normal(rank, numel, (-3, 1), scale=rank + 1)
 
 
 def _reduce_scatter(rank: int, world: int) -> None:
@@ -57,10 +55,7 @@ def test_reduce_scatter_within_bound_of_exact_average(world: int) -> None:
 
 def _fully_shard(rank: int, world: int) -> None:
     for fmt in ("int8", "fp8"):
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 5))
-        ref = nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 5)).double()
-        ref.load_state_dict(net.state_dict())
+        net, ref = seeded_mlp(6, 40, 5), seeded_mlp(6, 40, 5, dtype=torch.float64)  # the same weights
         mesh = init_device_mesh("cpu", (world,))
         fully_shard(net[0], mesh=mesh)
         fully_shard(net, mesh=mesh)
@@ -68,8 +63,7 @@ def _fully_shard(rank: int, world: int) -> None:
         exact = [torch.zeros_like(q) for q in ref.parameters()]
         largest = 0.0  # the largest value of any rank's local gradient: a bound on every block's maximum
         for r in range(world):
-            gen = torch.Generator().manual_seed(r)
-            x, y = torch.randn(4, 6, generator=gen) * (r + 1), torch.randn(4, 5, generator=gen)
+            x, y = seeded_pair(r, (4, 6), (4, 5), x_scale=r + 1)
             if r == rank:
                 nn.functional.mse_loss(net(x), y).backward()
             ref.zero_grad()

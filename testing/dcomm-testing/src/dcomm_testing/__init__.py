@@ -6,20 +6,50 @@ Example::
     >>> run_ranks(worker, 2)  # doctest: +SKIP
 """
 
-from dcomm_testing.helpers import assert_close, assert_same_on_ranks, cpu_record_stream_is_noop, seeded_batch
+from dcomm_testing.helpers import (
+    assert_close,
+    assert_same_on_ranks,
+    assert_updates_close,
+    cpu_record_stream_is_noop,
+    device_synchronize_forbidden,
+    rank_groups,
+    recorded_calls,
+    seeded_batch,
+    seeded_normal,
+    seeded_pair,
+    spread_normal,
+)
 from dcomm_testing.implementations import IMPLEMENTATIONS, implementation
+from dcomm_testing.models import BackwardOrderedMLP, flat_parameters, rank_device, seeded_mlp
 from dcomm_testing.quantization_bounds import block_scales, quantization_half_step
-from dcomm_testing.ranks import RankFailure, run_ranks
+from dcomm_testing.ranks import RankFailure, rank_process_context, run_ranks
+from dcomm_testing.training import DDPRun, PostLocalSGDRun, train_ddp, train_sgd
 
 __all__ = [
+    "BackwardOrderedMLP",
+    "DDPRun",
+    "PostLocalSGDRun",
     "IMPLEMENTATIONS",
     "RankFailure",
     "assert_close",
     "assert_same_on_ranks",
+    "assert_updates_close",
     "block_scales",
     "cpu_record_stream_is_noop",
+    "device_synchronize_forbidden",
+    "flat_parameters",
     "implementation",
     "quantization_half_step",
+    "rank_device",
+    "rank_groups",
+    "rank_process_context",
+    "recorded_calls",
     "run_ranks",
     "seeded_batch",
+    "seeded_mlp",
+    "seeded_normal",
+    "seeded_pair",
+    "spread_normal",
+    "train_ddp",
+    "train_sgd",
 ]

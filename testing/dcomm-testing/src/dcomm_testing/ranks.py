@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
 
-__all__ = ["RankFailure", "run_ranks"]
+__all__ = ["RankFailure", "rank_process_context", "run_ranks"]
 
 T = TypeVar("T")
 
@@ -38,7 +38,13 @@ class RankFailure(RuntimeError):
     """One or more ranks raised, died or hung; the message holds each rank's story."""
 
 
-def _context() -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
+def rank_process_context() -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
+    """Where rank processes come from: a fork server that has imported torch once (Linux), else spawn.
+
+    Example::
+
+        >>> rank_process_context().Process(target=main).start()  # doctest: +SKIP
+    """
     if sys.platform.startswith("linux"):
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.nn.parallel"])
@@ -124,7 +130,7 @@ def _start(
     store_path: str,
 ) -> tuple[list[Any], Any]:
     """Start one process per rank; return the processes and the queue their outcomes arrive on."""
-    ctx = _context()
+    ctx = rank_process_context()
     results = ctx.Queue()
     procs = [
         ctx.Process(

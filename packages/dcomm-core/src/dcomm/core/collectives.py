@@ -148,30 +148,58 @@ def all_gather_single(
     return collective(output, tensor, group=group, async_op=async_op)
 
 
-def _sum_options() -> dist.AllreduceOptions:
+def _options(op: Any) -> dist.AllreduceOptions:
     options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stub: ReduceOp, the value: RedOpType
+    options.reduceOp = op  # torch's stub says ReduceOp; a RedOpType (ReduceOp.SUM) converts to one
     return options
 
 
-_SUM = _sum_options()
+_SUM = _options(dist.ReduceOp.SUM)
+# Reductions that order or combine bits: undefined for complex numbers (a sum or a scaled sum is
+# the same on the real and imaginary parts, so those reduce the tensor's real view).
+_REAL_ONLY_OPS = (
+    dist.ReduceOp.MAX,
+    dist.ReduceOp.MIN,
+    dist.ReduceOp.PRODUCT,
+    dist.ReduceOp.BAND,
+    dist.ReduceOp.BOR,
+    dist.ReduceOp.BXOR,
+)
 
 
-def start_allreduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
-    """Start summing ``tensor`` in place over ``group``; return the collective's work handle.
+def _reducible(tensor: torch.Tensor, op: Any) -> torch.Tensor:
+    """What the process group reduces: ``tensor``, or the real view of a complex one."""
+    if not tensor.is_complex():
+        return tensor
+    if any(op == real_only for real_only in _REAL_ONLY_OPS):  # op first: ReduceOp(MAX) == MAX too
+        name = getattr(getattr(op, "op", op), "name", op)  # RedOpType.MAX or a ReduceOp holding one
+        raise ValueError(
+            f"op: ReduceOp.{name} is not defined for complex tensors (got {tensor.dtype}); "
+            "use ReduceOp.SUM, AVG or PREMUL_SUM, or reduce the real and imaginary parts separately"
+        )
+    return torch.view_as_real(tensor)
 
-    It calls the process group directly: the checks of ``dist.all_reduce`` cost about 10 us of
-    host time per call, which a comm hook pays once per bucket on the backward pass's critical
-    path. ``group`` must be a group this process belongs to (hooks are handed one).
+
+def _launch(reducible: torch.Tensor, group: dist.ProcessGroup, op: Any) -> dist.Work:
+    return group.allreduce([reducible], _SUM if op == dist.ReduceOp.SUM else _options(op))
+
+
+def start_allreduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: Any = dist.ReduceOp.SUM) -> dist.Work:
+    """Start reducing ``tensor`` in place over ``group`` (``op``, a sum by default); return the work handle.
+
+    It calls the process group directly, with the options and complex-number handling of
+    ``dist.all_reduce(..., async_op=True)`` but without its checks, which cost about 10 us of host
+    time per call: a comm hook pays that once per bucket on the backward pass's critical path.
+    ``group`` must be a group this process belongs to (hooks are handed one). A complex
+    ``tensor`` is reduced as its real view, so it takes ``SUM``, ``AVG`` or ``PREMUL_SUM``; an op
+    that orders or combines bits (``MAX``, ``PRODUCT``, ``BAND``, ...) raises ``ValueError``.
 
     Example::
 
         >>> work = start_allreduce(bucket.buffer(), dist.group.WORLD)  # doctest: +SKIP
         >>> work.wait()  # doctest: +SKIP
     """
-    if tensor.is_complex():
-        tensor = torch.view_as_real(tensor)
-    return group.allreduce([tensor], _SUM)
+    return _launch(_reducible(tensor, op), group, op)
 
 
 def _reduce_scatter_sum_options() -> Any:
@@ -228,21 +256,18 @@ def allreduce_future(
     """Reduce ``tensor`` in place over ``group`` (``op``, a sum by default); return a future of ``tensor``.
 
     ``tensor`` is divided by ``predivide`` before the sum and by ``postdivide`` after it (each
-    skipped when 1), so ``predivide * postdivide == world_size`` averages.
+    skipped when 1), so ``predivide * postdivide == world_size`` averages. Every ``op`` takes the
+    direct path of :func:`start_allreduce`; the result is bit-identical to ``dist.all_reduce``.
 
     Example::
 
         >>> fut = allreduce_future(bucket.buffer(), predivide=dist.get_world_size())  # doctest: +SKIP
     """
     group = resolve_group(group)
+    reducible = _reducible(tensor, op)  # refuses a bad op before anything changes
     if predivide != 1.0:
         tensor.div_(predivide)
-    if op == dist.ReduceOp.SUM:
-        work = start_allreduce(tensor, group)
-    else:
-        work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-        assert work is not None
-    fut = work.get_future()
+    fut = _launch(reducible, group, op).get_future()
     return fut.then(lambda f: _divided_in_place(f, tensor, postdivide))
 
 

@@ -32,6 +32,7 @@ from dcomm.ddp import (
     hook_with_zero_step,
     hook_with_zero_step_interleaved,
     post_localSGD_hook,
+    wait_for_parameters,
 )
 from dcomm_testing import assert_same_on_ranks, flat_parameters, run_ranks, seeded_mlp, seeded_normal
 
@@ -399,6 +400,61 @@ def _reordered(rank: int, world: int) -> list[str]:
     return seen
 
 
+# -- gather_during_forward: each module's forward waits for its own updated parameters --------------
+
+
+def _gather_during_forward(rank: int, world: int) -> list[str]:
+    """The next forward sees plain ZeRO's parameters, waiting module by module; state_dict waits."""
+    seen = []
+    for builder in BUILDERS:
+        case = f"gather-during-forward-{builder}"
+        model, ref_model = make_model(), make_model()
+        ddp, ref_ddp = DDP(model, bucket_cap_mb=BUCKET_MB), DDP(ref_model, bucket_cap_mb=BUCKET_MB)
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True)
+        ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam)
+        hook = BUILDERS[builder](
+            allreduce_hook, ddp, zero, reduce_scatter=True, step_mode=STEP_MODE, gather_during_forward=True
+        )
+        ddp.register_comm_hook(None, hook)
+        driver = _driver(zero)
+        for step in range(4):
+            x = batch(rank, step)
+            zero.zero_grad(set_to_none=True)
+            ref_zero.zero_grad(set_to_none=True)
+            if step > 0:
+                # Updated slices still in flight, one all-gather per shard; none waited for yet.
+                assert len(driver.deferred) == len(driver.layout), (case, step, sorted(driver.deferred))
+            ours, theirs = ddp(x).square().sum(), ref_ddp(x).square().sum()
+            assert driver.deferred == {}, f"{case} step {step}: the forward did not wait for every module"
+            torch.testing.assert_close(ours, theirs, **RS_TOL, msg=lambda m, c=case, s=step: f"{c} step {s}: {m}")
+            ours.backward()
+            theirs.backward()
+            ref_zero.step()
+        # The state dict waits by itself; wait_for_parameters makes every parameter whole.
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        assert driver.deferred == {}
+        for key, value in ref_model.state_dict().items():
+            torch.testing.assert_close(state[key], value, **RS_TOL)
+        wait_for_parameters(hook)
+        torch.testing.assert_close(flat_parameters(model), flat_parameters(ref_model), **RS_TOL)
+        assert_same_on_ranks(flat_parameters(model), case)
+        seen.append(case)
+    # Only with reduce_scatter=True.
+    with pytest.raises(ValueError, match="gather_during_forward: True needs reduce_scatter=True"):
+        hook_with_zero_step(allreduce_hook, *_fresh_pair(), gather_during_forward=True)
+    with pytest.raises(ValueError, match="gather_during_forward"):
+        hook_with_zero_step(allreduce_hook, *_fresh_pair(), reduce_scatter=True, gather_during_forward=1)
+    wait_for_parameters(hook_with_zero_step(allreduce_hook, *_fresh_pair()))  # a no-op elsewhere
+    return seen
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("step_mode", ["per_bucket", "fused"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_gather_during_forward(world: int, step_mode: str) -> None:
+    assert run_ranks(_suite, world, ["_gather_during_forward"], step_mode, timeout=300) == [1] * world
+
+
 # -- signatures: torch's, plus a keyword-only reduce_scatter (issue 15) -----------------------------
 
 
@@ -416,6 +472,9 @@ def test_signature_is_torchs_plus_keyword_only_reduce_scatter(name: object) -> N
     mode = ours.parameters["step_mode"]
     assert mode.kind is inspect.Parameter.KEYWORD_ONLY
     assert mode.default == "auto"
+    gather = ours.parameters["gather_during_forward"]
+    assert gather.kind is inspect.Parameter.KEYWORD_ONLY
+    assert gather.default is False
     with pytest.raises(TypeError, match="positional argument"):
         name(allreduce_hook, None, None, False, True)
 

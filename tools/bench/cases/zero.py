@@ -2,7 +2,8 @@
 
 Variants: non-overlapped ZeRO (the reference), torch's and dcomm's ``hook_with_zero_step`` and
 ``hook_with_zero_step_interleaved``, and dcomm's ``reduce_scatter=True`` mode of each (one
-reduce-scatter and one all-gather per bucket). dcomm's variants choose their step path
+reduce-scatter and one all-gather per bucket), also with ``gather_during_forward=True`` (``+gf``:
+the next forward waits for each module's parameters). dcomm's variants choose their step path
 (``step_mode="auto"``, reported as ``step mode``); ``dcomm step fused``, ``dcomm step per_bucket``
 and their ``+rs`` forms force one. A ``reduce_scatter`` variant reports ``fallback_count`` of
 its hook: buckets allreduced instead, after DDP settled its buckets.
@@ -35,11 +36,17 @@ times both paths over its first 9 backward passes and keeps one from the 10th.""
 
 
 def build_zero(
-    ctx: Context, overlap: tuple[str, str] | None, reduce_scatter: bool = False, step_mode: str | None = None
+    ctx: Context,
+    overlap: tuple[str, str] | None,
+    reduce_scatter: bool = False,
+    step_mode: str | None = None,
+    gather_during_forward: bool = False,
 ) -> Variant:
     """DDP + ZeroRedundancyOptimizer(Adam); ``overlap = (impl, hook row)`` steps inside backward.
 
     ``step_mode`` (dcomm only) forces a step path; None keeps the hook's default (``"auto"``).
+    ``gather_during_forward`` (dcomm, with ``reduce_scatter``) lets the next forward wait for
+    each module's parameters.
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -54,6 +61,8 @@ def build_zero(
     extra: dict[str, object] = {"reduce_scatter": True, "shard_buckets": True} if reduce_scatter else {}
     if step_mode is not None:
         extra["step_mode"] = step_mode
+    if gather_during_forward:
+        extra["gather_during_forward"] = True
     hook = wrapper(resolve(impl, "allreduce_hook"), ddp, zero, **extra)
     ddp.register_comm_hook(None, hook)
     if impl != "dcomm":
@@ -79,6 +88,10 @@ def zero_case(ctx: Context) -> Case:
         case.variants[f"dcomm {name}+rs"] = lambda name=name: build_zero(ctx, ("dcomm", name), reduce_scatter=True)
         case.pairs.append(Pair(f"zero/{name}+rs", f"dcomm {name}+rs", f"torch {name}", "dcomm/torch"))
         case.pairs.append(Pair(f"zero/{name}+rs", f"dcomm {name}+rs", "no overlap", "dcomm/reference"))
+    for name in ZERO_HOOKS:
+        variant = f"dcomm {name}+rs+gf"
+        case.variants[variant] = lambda name=name: build_zero(ctx, ("dcomm", name), True, None, True)
+        case.pairs.append(Pair(f"zero/{name}+rs+gather_during_forward", variant, "no overlap", "dcomm/reference"))
     # The two step paths forced (hook_with_zero_step; on the fused path the interleaved hook is the same).
     for mode, rs in itertools.product(STEP_MODES, (False, True)):
         variant = f"dcomm step{'+rs' if rs else ''} {mode}"

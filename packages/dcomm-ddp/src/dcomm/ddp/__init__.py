@@ -22,7 +22,13 @@ from dcomm.ddp.quantized_hooks import (
     int8_compress_hook,
     quantized_allreduce_bytes,
 )
-from dcomm.ddp.zero_overlap import fallback_count, hook_with_zero_step, hook_with_zero_step_interleaved, step_mode_of
+from dcomm.ddp.zero_overlap import (
+    fallback_count,
+    hook_with_zero_step,
+    hook_with_zero_step_interleaved,
+    step_mode_of,
+    wait_for_parameters,
+)
 
 __all__ = [
     "__version__",
@@ -50,4 +56,5 @@ __all__ = [
     "hook_with_zero_step_interleaved",
     "fallback_count",
     "step_mode_of",
+    "wait_for_parameters",
 ]

@@ -100,7 +100,13 @@ from dcomm.ddp._zero.parameter_driver import ParameterDriver
 from dcomm.ddp._zero.sharded_driver import ShardedDriver
 from dcomm.ddp._zero.step_mode import StepMode, check_step_mode
 
-__all__ = ["fallback_count", "hook_with_zero_step", "hook_with_zero_step_interleaved", "step_mode_of"]
+__all__ = [
+    "fallback_count",
+    "hook_with_zero_step",
+    "hook_with_zero_step_interleaved",
+    "step_mode_of",
+    "wait_for_parameters",
+]
 
 
 def _build(
@@ -111,9 +117,16 @@ def _build(
     reduce_scatter: bool,
     step_mode: str,
     name: str,
+    gather_during_forward: bool = False,
 ) -> Hook:
     checks.check_hook(hook)
     checks.check_flag("reduce_scatter", reduce_scatter)
+    checks.check_flag("gather_during_forward", gather_during_forward)
+    if gather_during_forward and not reduce_scatter:
+        raise ValueError(
+            "gather_during_forward: True needs reduce_scatter=True (the element-wise shards it waits for "
+            "module by module); pass reduce_scatter=True as well, or gather_during_forward=False"
+        )
     check_step_mode(step_mode)
     reduce_dtype = checks.averaging_dtype(hook) if reduce_scatter else None
     checks.check_ddp(ddp)
@@ -124,7 +137,8 @@ def _build(
 
     interleaved = name == "hook_with_zero_step_interleaved"
     first_call = checks.first_call_checks(ddp, zero, name)
-    setup = Setup(hook, ddp, zero, expected_buckets(ddp, params), interleaved, first_call, step_mode)
+    buckets = expected_buckets(ddp, params)
+    setup = Setup(hook, ddp, zero, buckets, interleaved, first_call, step_mode, gather_during_forward)
     driver = ShardedDriver(setup, reduce_dtype) if reduce_scatter else ParameterDriver(setup, shard_buckets)
     info = private.overlap_info(zero)
     info.status = private.overlap_status().INITIALIZED  # type: ignore[attr-defined]
@@ -147,6 +161,28 @@ def _driver_of(hook: Callable[..., Any]) -> Driver:
             f"got {hook!r}; pass the hook they returned"
         )
     return driver
+
+
+def wait_for_parameters(hook: Callable[..., Any]) -> None:
+    """Make every parameter whole now (a stream wait on CUDA) under ``gather_during_forward=True``.
+
+    Needed only before reading parameters outside a forward of the module that owns them, with
+    the state dict excepted (it waits by itself); a no-op for any other hook.
+
+    Args:
+        hook: a hook returned by :func:`hook_with_zero_step` or
+            :func:`hook_with_zero_step_interleaved`.
+
+    Raises:
+        TypeError: ``hook`` was not built by either.
+
+    Example::
+
+        >>> wait_for_parameters(hook)  # then read ddp.module.weight  # doctest: +SKIP
+    """
+    driver = _driver_of(hook)
+    if isinstance(driver, ShardedDriver):
+        driver.wait_deferred()
 
 
 def step_mode_of(hook: Callable[..., Any]) -> str | None:
@@ -208,6 +244,7 @@ def hook_with_zero_step(
     *,
     reduce_scatter: bool = False,
     step_mode: StepMode = "auto",
+    gather_during_forward: bool = False,
 ) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
     """Wrap ``hook`` so that ``zero`` steps once the last bucket's gradients are in flight.
 
@@ -234,6 +271,12 @@ def hook_with_zero_step(
         step_mode: ``"per_bucket"`` (step each bucket as its gradient arrives), ``"fused"`` (one
             step over every parameter at the last bucket) or ``"auto"`` (time both once DDP has
             settled its buckets, keep the faster); keyword-only. See the module documentation.
+        gather_during_forward: with ``reduce_scatter=True``, do not wait for the updated
+            parameters at the end of backward: each module's forward waits (a stream wait on
+            CUDA) for the all-gathers of its own parameters, so the next forward's first layers
+            run while the last layers are still being gathered. Keyword-only, opt-in: code that
+            reads parameters outside a forward of the module that owns them (other than through
+            ``state_dict()``, which waits) must call :func:`wait_for_parameters` first.
 
     Returns:
         The hook to pass to ``ddp.register_comm_hook(state, ...)``; ``state`` goes to ``hook``.
@@ -255,7 +298,8 @@ def hook_with_zero_step(
         >>> ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))  # doctest: +SKIP
         >>> ddp(inputs).sum().backward()  # doctest: +SKIP
     """
-    return _build(hook, ddp, zero, shard_buckets, reduce_scatter, step_mode, "hook_with_zero_step")
+    name = "hook_with_zero_step"
+    return _build(hook, ddp, zero, shard_buckets, reduce_scatter, step_mode, name, gather_during_forward)
 
 
 def hook_with_zero_step_interleaved(
@@ -266,6 +310,7 @@ def hook_with_zero_step_interleaved(
     *,
     reduce_scatter: bool = False,
     step_mode: StepMode = "auto",
+    gather_during_forward: bool = False,
 ) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
     """Wrap ``hook`` so that ``zero`` steps bucket by bucket while backward still runs.
 
@@ -280,4 +325,5 @@ def hook_with_zero_step_interleaved(
         >>> hook = hook_with_zero_step_interleaved(bf16_compress_hook, ddp, zero, shard_buckets=True)  # doctest: +SKIP
         >>> ddp.register_comm_hook(None, hook)  # doctest: +SKIP
     """
-    return _build(hook, ddp, zero, shard_buckets, reduce_scatter, step_mode, "hook_with_zero_step_interleaved")
+    name = "hook_with_zero_step_interleaved"
+    return _build(hook, ddp, zero, shard_buckets, reduce_scatter, step_mode, name, gather_during_forward)

@@ -93,6 +93,7 @@ class Setup:
     interleaved: bool  # update each bucket behind the next one, or all after the last
     first_call_checks: Checks
     step_mode: str = "per_bucket"  # "per_bucket", "fused" or "auto" (see step_mode.py)
+    gather_during_forward: bool = False  # wait for each module's parameters in the next forward
 
 
 class Driver:

@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +95,55 @@ class ShardedDriver(Driver):
         zero.optim = optimizer_class(zero)([s.slice for s in self.layout], **private.optim_defaults(zero))
         private.sync_param_groups(zero, zero.optim.param_groups, zero.param_groups)
         checkpoint.install(zero, self.layout)
+        self.deferred: dict[int, Any] = {}  # shard index -> its all-gather, waited for in the next forward
+        self.gather_during_forward = setup.gather_during_forward
+        if self.gather_during_forward:
+            self._install_forward_waits(setup.ddp.module)
+
+    # -- gather_during_forward ------------------------------------------------------------------
+
+    def _install_forward_waits(self, root: torch.nn.Module) -> None:
+        """Before each module's forward, wait for the all-gathers of the shards holding its parameters.
+
+        A module waits only for its own parameters (``recurse=False``), so the first layers of the
+        next forward run while the last layers' parameters are still being gathered. Reading the
+        state dict of ``root`` waits for every shard.
+        """
+        for module in root.modules():
+            indices = {self.where[id(p)][0].index for p in module.parameters(recurse=False) if id(p) in self.where}
+            if indices:
+                module.register_forward_pre_hook(self._forward_wait(tuple(sorted(indices))))
+        root.register_state_dict_pre_hook(lambda *_: self.wait_deferred())
+
+    def _forward_wait(self, indices: tuple[int, ...]) -> Callable[..., None]:
+        def wait(module: torch.nn.Module, args: Any) -> None:
+            for index in indices:
+                work = self.deferred.pop(index, None)
+                if work is not None:
+                    work.wait()  # a stream wait on CUDA
+
+        return wait
+
+    def wait_deferred(self) -> None:
+        """Wait for every all-gather still pending (a stream wait on CUDA): the parameters are whole."""
+        deferred, self.deferred = self.deferred, {}
+        for work in deferred.values():
+            work.wait()
+
+    def _gather(self, shards: list[Shard]) -> None:
+        """All-gather the updated slices of ``shards`` into their flat buffers.
+
+        Waited for at the end of backward; with ``gather_during_forward``, one all-gather per
+        shard, first layers first, each waited for by the next forward of the modules it holds.
+        """
+        if not self.gather_during_forward:
+            if len(shards) > 1:
+                self.works.extend(all_gathers([(shard.flat, shard.slice) for shard in shards], self.group))
+            else:
+                self.works.extend(all_gather(shard.flat, shard.slice, self.group) for shard in shards)
+            return
+        for shard in sorted(shards, key=lambda shard: -shard.index):  # buckets hold the last layers first
+            self.deferred[shard.index] = all_gather(shard.flat, shard.slice, self.group)
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -175,6 +225,8 @@ class ShardedDriver(Driver):
     # -- per-bucket work ----------------------------------------------------------------------
 
     def start_backward(self) -> None:
+        # A shard whose modules did not run in the forward: gathered before its slice steps again.
+        self.wait_deferred()
         self._counting = [0, 0]
 
     def launch(self, state: Any, bucket: dist.GradBucket) -> _Pending:
@@ -222,11 +274,7 @@ class ShardedDriver(Driver):
         """Step (if not done yet) and all-gather the updated slices into the flat buffers."""
         self.step(item)
 
-        def gather() -> None:
-            for shard in item.ready:
-                self.works.append(all_gather(shard.flat, shard.slice, self.group))
-
-        self.in_stream(gather)
+        self.in_stream(lambda: self._gather(item.ready))
 
     def complete_all(self, items: list[_Pending]) -> None:
         """The fused path: one step over every slice, then all their all-gathers back to back."""
@@ -237,7 +285,7 @@ class ShardedDriver(Driver):
             ready = [shard for item in items for shard in item.ready]
             if ready:
                 self.local_step([shard.slice for shard in ready])
-            self.works.extend(all_gathers([(shard.flat, shard.slice) for shard in ready], self.group))
+            self._gather(ready)
 
         self.in_stream(step_and_gather)
 
@@ -246,5 +294,6 @@ class ShardedDriver(Driver):
 
     def reset(self) -> None:
         super().reset()
+        self.wait_deferred()
         for shard in self.layout:
             shard.seen = 0

@@ -125,6 +125,71 @@ def _stochastic_fp8(scaled: torch.Tensor, generator: torch.Generator | None) -> 
     return torch.where(scaled.abs() < _FP8_MIN_NORMAL, subnormal, normal)
 
 
+def _float32_view(raw: torch.Tensor) -> torch.Tensor | None:
+    """The ``uint8`` ``raw`` read as float32 in place, or None where its offset or strides forbid it."""
+    try:
+        return raw.view(torch.float32)
+    except RuntimeError:  # an offset or row stride that is not a multiple of 4 bytes
+        return None
+
+
+def _encode(
+    blocks: torch.Tensor,
+    fmt: str,
+    scales: torch.Tensor,
+    codes: torch.Tensor,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> None:
+    """Quantize float32 ``blocks`` ``[..., block_size]`` (left unchanged) into ``scales`` and ``codes``.
+
+    ``scales`` (float32 ``[...]``) and ``codes`` (``uint8`` ``[..., code bytes per block]``) may
+    be strided views into a packed buffer: every kernel writes its result straight into them.
+    """
+    limit = _MAX_CODE[fmt]
+    # |x| max of each block in one kernel (no |x| temporary); exact, and NaN stays NaN.
+    torch.linalg.vector_norm(blocks, float("inf"), dim=-1, out=scales)
+    scales.div_(limit)
+    safe = torch.where(scales > 0, scales, 1.0)
+    scaled = torch.div(blocks, safe.unsqueeze(-1))
+    if fmt == "fp8":
+        if stochastic:
+            scaled = _stochastic_fp8(scaled, generator)
+        codes.view(torch.float8_e4m3fn).copy_(scaled.clamp_(-limit, limit))
+        return
+    if stochastic:
+        noise = torch.rand(scaled.shape, dtype=torch.float32, device=scaled.device, generator=generator)
+        scaled = scaled.add_(noise).floor_()
+    else:
+        scaled = scaled.round_()
+    # A subnormal block maximum loses precision in ``/ limit``, so a quotient can pass the limit.
+    scaled = scaled.clamp_(-limit, limit)
+    if fmt == "int8":
+        codes.view(torch.int8).copy_(scaled)
+        return
+    nibbles = (scaled.to(torch.int8) + 8).to(torch.uint8).unflatten(-1, (-1, 2))
+    torch.bitwise_or(nibbles[..., 0], nibbles[..., 1] << 4, out=codes)
+
+
+def _decode(codes: torch.Tensor, scales: torch.Tensor, fmt: str, out: torch.Tensor) -> None:
+    """Write the values of ``codes`` ``[..., code bytes per block]`` times ``scales`` ``[...]`` into ``out``.
+
+    ``out`` is ``[..., block_size]`` of any floating dtype; the product is taken in float32 and
+    rounded once into ``out``'s dtype. Inputs and ``out`` may be strided views.
+    """
+    scale = scales.unsqueeze(-1)
+    if fmt == "int8":
+        torch.mul(codes.view(torch.int8), scale, out=out)  # int8 x float32 computes in float32
+        return
+    if fmt == "fp8":
+        values = codes.view(torch.float8_e4m3fn).to(torch.float32)
+    else:
+        low = (codes & 0x0F).to(torch.float32)
+        high = (codes >> 4).to(torch.float32)
+        values = torch.stack((low, high), dim=-1).flatten(-2).sub_(8.0)
+    torch.mul(values, scale, out=out)
+
+
 def quantize(
     x: torch.Tensor,
     fmt: str,
@@ -150,25 +215,11 @@ def quantize(
     if not x.is_floating_point():
         raise TypeError(f"x: expected a floating tensor, got dtype {x.dtype}; convert it with x.float()")
     blocks = _blocks(x, block_size)
-    limit = _MAX_CODE[fmt]
-    scales = blocks.abs().amax(dim=1).div_(limit)
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    scaled = blocks.div_(safe.unsqueeze(1))
-    if fmt == "fp8":
-        if stochastic:
-            scaled = _stochastic_fp8(scaled, generator)
-        codes = scaled.clamp_(-limit, limit).to(torch.float8_e4m3fn).view(torch.uint8)
-        return codes.reshape(-1), scales
-    if stochastic:
-        noise = torch.rand(scaled.shape, dtype=torch.float32, device=scaled.device, generator=generator)
-        scaled = scaled.add_(noise).floor_()
-    else:
-        scaled = scaled.round_()
-    integers = scaled.clamp_(-limit, limit).to(torch.int8).reshape(-1)
-    if fmt == "int8":
-        return integers.view(torch.uint8), scales
-    nibbles = (integers + 8).to(torch.uint8).view(-1, 2)
-    return nibbles[:, 0] | (nibbles[:, 1] << 4), scales
+    n_blocks = blocks.shape[0]
+    scales = torch.empty(n_blocks, dtype=torch.float32, device=x.device)
+    payload = torch.empty(code_bytes(x.numel(), fmt, block_size), dtype=torch.uint8, device=x.device)
+    _encode(blocks, fmt, scales, payload.view(n_blocks, code_bytes(block_size, fmt, block_size)), stochastic, generator)
+    return payload, scales
 
 
 def dequantize(
@@ -202,19 +253,16 @@ def dequantize(
         raise ValueError(f"scales: expected {n_blocks} block scales for numel={numel}, got {scales.numel()}")
     if out is not None and out.numel() != numel:
         raise ValueError(f"out: expected {numel} elements, got {out.numel()}")
-    payload = payload.reshape(-1)
-    if fmt == "fp8":
-        values = payload.view(torch.float8_e4m3fn).to(torch.float32)
-    elif fmt == "int8":
-        values = payload.view(torch.int8).to(torch.float32)
-    else:
-        low = (payload & 0x0F).to(torch.float32)
-        high = (payload >> 4).to(torch.float32)
-        values = torch.stack((low, high), dim=1).sub_(8.0)
-    values = values.view(n_blocks, block_size).mul_(scales.to(torch.float32).view(n_blocks, 1)).view(-1)[:numel]
+    codes = payload.reshape(n_blocks, code_bytes(block_size, fmt, block_size))
+    scales = scales.to(torch.float32).reshape(n_blocks)
+    if out is not None and numel == n_blocks * block_size and out.is_contiguous():
+        _decode(codes, scales, fmt, out.view(n_blocks, block_size))
+        return out
+    values = torch.empty(n_blocks * block_size, dtype=torch.float32, device=payload.device)
+    _decode(codes, scales, fmt, values.view(n_blocks, block_size))
     if out is None:
-        return values
-    out.view(-1).copy_(values)
+        return values[:numel]
+    out.view(-1).copy_(values[:numel])
     return out
 
 
@@ -235,12 +283,22 @@ def _check_rows(cols: int, block_size: int) -> None:
         )
 
 
-def quantize_rows(rows: torch.Tensor, fmt: str, block_size: int = 256) -> torch.Tensor:
+def _split_rows(packed: torch.Tensor, cols: int, fmt: str, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of packed rows ``[n, payload_bytes(cols)]``: codes ``[n, blocks, bytes per block]`` and
+    the scales' bytes ``[n, 4 * blocks]``."""
+    n_codes = code_bytes(cols, fmt, block_size)
+    codes = packed[:, :n_codes].unflatten(1, (cols // block_size, -1))
+    return codes, packed[:, n_codes:]
+
+
+def quantize_rows(rows: torch.Tensor, fmt: str, block_size: int = 256, out: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize each row of a 2-D ``[n, cols]`` tensor into one self-contained ``uint8`` row.
 
     ``cols`` must be a multiple of ``block_size``. Row ``i`` of the result holds the codes of row
     ``i`` followed by its block scales (float32 bytes): ``payload_bytes(cols)`` bytes, ready to
-    send to one peer (an all-to-all) or to gather.
+    send to one peer (an all-to-all) or to gather. ``rows`` is left unchanged; with ``out`` (a
+    ``uint8`` ``[n, payload_bytes(cols)]`` tensor, e.g. rows of a larger send buffer) the codes
+    and scales are written straight into it.
 
     Example::
 
@@ -248,24 +306,37 @@ def quantize_rows(rows: torch.Tensor, fmt: str, block_size: int = 256) -> torch.
         torch.Size([4, 520])
     """
     _check_format(fmt, block_size)
+    if not rows.is_floating_point():
+        raise TypeError(f"rows: expected a floating tensor, got dtype {rows.dtype}; convert it with rows.float()")
     n, cols = rows.shape
     _check_rows(cols, block_size)
+    shape = (n, payload_bytes(cols, fmt, block_size))
+    if out is None:
+        out = torch.empty(shape, dtype=torch.uint8, device=rows.device)
+    elif out.dtype != torch.uint8 or tuple(out.shape) != shape:
+        raise ValueError(f"out: expected uint8 of shape {shape}, got {tuple(out.shape)} of {out.dtype}")
     fused = _fused_kernels(rows, fmt, block_size)
-    if fused is not None:
-        out = torch.empty(n, payload_bytes(cols, fmt, block_size), dtype=torch.uint8, device=rows.device)
+    if fused is not None and out.stride(1) == 1:
         return fused.quantize_rows_into(rows, fmt, block_size, out, _MAX_CODE[fmt])
-    payload, scales = quantize(rows, fmt, block_size)
-    n_codes = code_bytes(cols, fmt, block_size)
-    packed = torch.empty(n, payload_bytes(cols, fmt, block_size), dtype=torch.uint8, device=rows.device)
-    packed[:, :n_codes].copy_(payload.view(n, n_codes))
-    packed[:, n_codes:].copy_(scales.view(n, -1).view(torch.uint8))
-    return packed
+    blocks = rows.to(torch.float32).unflatten(1, (cols // block_size, block_size))
+    codes, scale_bytes = _split_rows(out, cols, fmt, block_size)
+    scales = _float32_view(scale_bytes)
+    if scales is not None:
+        _encode(blocks, fmt, scales, codes)
+        return out
+    scales = torch.empty(n, cols // block_size, dtype=torch.float32, device=rows.device)
+    _encode(blocks, fmt, scales, codes)
+    scale_bytes.copy_(scales.view(torch.uint8))
+    return out
 
 
 def dequantize_rows(
     packed: torch.Tensor, fmt: str, cols: int, block_size: int = 256, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Decode :func:`quantize_rows`' ``[n, payload_bytes(cols)]`` rows into float32 ``[n, cols]``.
+
+    With ``out`` (``[n, cols]`` of any floating dtype, e.g. a view of the destination) the values
+    are written straight into it and ``out`` is returned.
 
     Example::
 
@@ -282,14 +353,19 @@ def dequantize_rows(
             f"packed: expected uint8 rows of {payload_bytes(cols, fmt, block_size)} bytes for cols={cols}, "
             f"fmt={fmt!r}; got {tuple(packed.shape)} of {packed.dtype}"
         )
-    if fmt != "int4" and packed.is_cuda and packed.is_contiguous() and (out is None or out.is_contiguous()):
-        values = torch.empty(n, cols, dtype=torch.float32, device=packed.device) if out is None else out.view(n, cols)
-        fused = _fused_kernels(values, fmt, block_size)
+    if out is None:
+        out = torch.empty(n, cols, dtype=torch.float32, device=packed.device)
+    elif out.numel() != n * cols or not out.is_floating_point():
+        raise ValueError(f"out: expected a floating tensor of {n}x{cols} values, got {tuple(out.shape)} of {out.dtype}")
+    target = out if out.shape == (n, cols) else out.view(n, cols)
+    if packed.is_cuda and packed.is_contiguous() and target.is_contiguous():
+        fused = _fused_kernels(target, fmt, block_size)
         if fused is not None:
-            fused.dequantize_rows_into(packed, fmt, cols, block_size, values)
-            return values if out is None else out
-    n_codes = code_bytes(cols, fmt, block_size)
-    codes = packed[:, :n_codes].reshape(-1)
-    scales = packed[:, n_codes:].contiguous().view(torch.float32).reshape(-1)
-    values = dequantize(codes, scales, fmt, n * cols, block_size, out=None if out is None else out.view(-1))
-    return values.view(n, cols) if out is None else out
+            fused.dequantize_rows_into(packed, fmt, cols, block_size, target)
+            return out
+    codes, scale_bytes = _split_rows(packed, cols, fmt, block_size)
+    scales = _float32_view(scale_bytes)
+    if scales is None:
+        scales = scale_bytes.contiguous().view(torch.float32)
+    _decode(codes, scales, fmt, target.unflatten(1, (cols // block_size, block_size)))
+    return out

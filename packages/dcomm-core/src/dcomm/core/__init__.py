@@ -1,4 +1,4 @@
-"""dcomm.core: communication state, divide factors, collectives, block quantization and group helpers.
+"""dcomm.core: communication state, divide factors, collectives, block quantization, group helpers.
 
 Example::
 
@@ -37,6 +37,7 @@ from dcomm.core.quantization import (
     payload_bytes,
     quantize,
 )
+from dcomm.core.quantized_average import QuantizedAverage, quantized_average_bytes
 from dcomm.core.state import DefaultState, LowPrecisionState
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "DefaultState",
     "LowPrecisionState",
     "QUANTIZED_FORMATS",
+    "QuantizedAverage",
     "__version__",
     "all_gather_single",
     "allreduce_future",
@@ -65,6 +67,7 @@ __all__ = [
     "payload_bytes",
     "plan_average",
     "quantize",
+    "quantized_average_bytes",
     "reduce_scatter_future",
     "reduce_scatter_single",
     "reduced_by_nccl",

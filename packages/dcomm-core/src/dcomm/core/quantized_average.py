@@ -79,9 +79,7 @@ def _row_bytes(fmt: str, block_size: int) -> int:
     return 2 * block_size if fmt == "bf16" else payload_bytes(block_size, fmt, block_size)
 
 
-def quantized_average_bytes(
-    numel: int, world: int, fmt: str, block_size: int = 256, pattern: str = "two_shot"
-) -> int:
+def quantized_average_bytes(numel: int, world: int, fmt: str, block_size: int = 256, pattern: str = "two_shot") -> int:
     """Bytes one rank sends to average ``numel`` values over ``world`` ranks.
 
     Two-shot: ``world - 1`` encoded chunks in the all-to-all and as many in the all-gather (a
@@ -385,9 +383,7 @@ class PendingQuantizedAverage:
                 torch.sub(average, averager._decode(buffers.row).view(-1), out=shard_error)
                 keep_until_stream_done(shard_error)
             keep_until_stream_done(buffers.received)
-            self._work = all_gather_single(
-                buffers.gathered.view(-1), buffers.row.view(-1), self._group, async_op=True
-            )
+            self._work = all_gather_single(buffers.gathered.view(-1), buffers.row.view(-1), self._group, async_op=True)
 
     def result(self) -> torch.Tensor:
         """The averaged tensor (the one given to ``begin``), once the last collective is done.

@@ -184,3 +184,17 @@ def test_rows_are_self_contained(fmt: str) -> None:
         quantize_rows(torch.ones(2, BLOCK + 2), fmt, BLOCK)
     with pytest.raises(ValueError, match="packed"):
         dequantize_rows(packed[:, 1:], fmt, 2 * BLOCK, BLOCK)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED_FORMATS)
+def test_rows_with_scales_at_any_byte_offset(fmt: str) -> None:
+    # Blocks of 2 put each row's scales at byte offsets that are not multiples of 4, also in a
+    # single row (where contiguous() copies nothing).
+    rows = sample(3 * 6, seed=17).view(3, 6)
+    packed = quantize_rows(rows, fmt, 2)
+    for i in range(3):
+        alone = dequantize(*quantize(rows[i], fmt, 2), fmt, 6, 2)
+        assert torch.equal(dequantize_rows(packed[i : i + 1], fmt, 6, 2)[0], alone)
+        out = torch.empty(1, 6)
+        quantize_rows(rows[i : i + 1], fmt, 2, out=packed[i : i + 1, :].clone())
+        assert torch.equal(dequantize_rows(packed[i : i + 1], fmt, 6, 2, out=out)[0], alone)

@@ -365,7 +365,7 @@ def dequantize_rows(
             return out
     codes, scale_bytes = _split_rows(packed, cols, fmt, block_size)
     scales = _float32_view(scale_bytes)
-    if scales is None:
-        scales = scale_bytes.contiguous().view(torch.float32)
+    if scales is None:  # a fresh copy starts at offset 0 (``contiguous()`` of one row may not copy)
+        scales = scale_bytes.clone(memory_format=torch.contiguous_format).view(torch.float32)
     _decode(codes, scales, fmt, target.unflatten(1, (cols // block_size, block_size)))
     return out

@@ -303,11 +303,11 @@ class PendingQuantizedAverage:
     __slots__ = (
         "_averager",
         "_buffers",
+        "_future",
         "_group",
         "_shard_error",
         "_stage",
         "_tensor",
-        "_work",
         "_world",
         "bytes_sent",
     )
@@ -326,7 +326,9 @@ class PendingQuantizedAverage:
         self._world = world
         self._shard_error = shard_error
         self._buffers: _Buffers | None = None
-        self._work: dist.Work | None = None
+        # The running collective's future. Waiting on it (not on its work) is safe inside its own
+        # callbacks: gloo marks the work finished only after the future's callbacks have run.
+        self._future: torch.futures.Future | None = None
         self._stage = "begun"
         self.bytes_sent = 0
 
@@ -350,8 +352,8 @@ class PendingQuantizedAverage:
         else:
             work = all_gather_single(buffers.gathered.view(-1), buffers.send.view(-1), self._group, async_op=True)
         assert work is not None
-        self._work = work
-        return _work_future(work)
+        self._future = _work_future(work)
+        return self._future
 
     def advance(self) -> None:
         """Two-shot: once the all-to-all is done, average this rank's chunk and start the all-gather.
@@ -371,8 +373,8 @@ class PendingQuantizedAverage:
         self._stage = "advanced"
         averager, world = self._averager, self._world
         with self._on_side_stream():
-            assert self._work is not None
-            self._work.wait()
+            assert self._future is not None
+            self._future.wait()
             chunk = buffers.row.shape[0] * averager.block_size
             average = averager._decode(buffers.received).view(world, chunk).sum(0).div_(world)
             shard_error = self._shard_error
@@ -383,7 +385,9 @@ class PendingQuantizedAverage:
                 torch.sub(average, averager._decode(buffers.row).view(-1), out=shard_error)
                 keep_until_stream_done(shard_error)
             keep_until_stream_done(buffers.received)
-            self._work = all_gather_single(buffers.gathered.view(-1), buffers.row.view(-1), self._group, async_op=True)
+            work = all_gather_single(buffers.gathered.view(-1), buffers.row.view(-1), self._group, async_op=True)
+            assert work is not None
+            self._future = _work_future(work)
 
     def result(self) -> torch.Tensor:
         """The averaged tensor (the one given to ``begin``), once the last collective is done.
@@ -405,8 +409,8 @@ class PendingQuantizedAverage:
         device = self._tensor.device
         side = averager._side_stream(device)
         with self._on_side_stream():
-            assert self._work is not None
-            self._work.wait()
+            assert self._future is not None
+            self._future.wait()
             out = self._tensor.view(-1)
             if averager.pattern == "two_shot":
                 averager._decode_into(buffers.gathered, out)
@@ -417,7 +421,7 @@ class PendingQuantizedAverage:
                 if tensor is not None:
                     keep_until_stream_done(tensor)
             done = None if side is None else side.record_event()
-        self._work = None
+        self._future = None
         if done is not None:
             torch.get_device_module(device).current_stream(device).wait_event(done)
         return self._tensor

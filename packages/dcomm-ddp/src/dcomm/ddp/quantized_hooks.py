@@ -1,7 +1,7 @@
 """int8 and fp8 (e4m3) gradient compression for DDP: a quarter of fp32's bytes at any world size.
 
-A two-shot reduction of block-quantized gradients (:mod:`dcomm.core.quantization`, one float32
-scale per 256 values):
+A two-shot reduction of block-quantized gradients (:class:`dcomm.core.QuantizedAverage`, one
+float32 scale per 256 values):
 
 1. the bucket is cut into one chunk per rank and each chunk quantized;
 2. an all-to-all sends chunk ``r`` to rank ``r``, which dequantizes every peer's copy, averages
@@ -35,22 +35,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcomm.core import keep_until_stream_done, payload_bytes, resolve_group
-from dcomm.core.quantization import dequantize_rows, quantize_rows
+from dcomm.core import QuantizedAverage, quantized_average_bytes, resolve_group
 from dcomm.ddp._ordered_chain import OrderedChain
 
 __all__ = ["QuantizedState", "fp8_compress_hook", "int8_compress_hook", "quantized_allreduce_bytes"]
 
 logger = logging.getLogger(__name__)
-
-# torch >= 2.13 renamed all_gather_into_tensor to all_gather_single.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def chunk_numel(numel: int, world: int, block_size: int = 256) -> int:
-    """Values per rank's chunk: ``numel / world`` rounded up to whole blocks."""
-    per_rank = -(-numel // world)
-    return -(-per_rank // block_size) * block_size
 
 
 def quantized_allreduce_bytes(numel: int, world: int, fmt: str, block_size: int = 256) -> int:
@@ -65,9 +55,7 @@ def quantized_allreduce_bytes(numel: int, world: int, fmt: str, block_size: int 
         >>> quantized_allreduce_bytes(2**20, 4, "int8") / (2 * 3 / 4 * 4 * 2**20)
         0.25390625
     """
-    if world <= 1:
-        return 0
-    return 2 * (world - 1) * payload_bytes(chunk_numel(numel, world, block_size), fmt, block_size)
+    return quantized_average_bytes(numel, world, fmt, block_size)
 
 
 class QuantizedState:
@@ -89,7 +77,9 @@ class QuantizedState:
     """
 
     __slots__ = (
+        "_averagers",
         "_chain",
+        "_pattern",
         "block_size",
         "bytes_sent",
         "error_dict",
@@ -116,6 +106,10 @@ class QuantizedState:
         self.error_dict: dict[int, torch.Tensor] = {}
         self.shard_error_dict: dict[int, torch.Tensor] = {}
         self._chain = OrderedChain()
+        # The exchange pattern of dcomm.core.QuantizedAverage ("two_shot" or "all_gather"); every
+        # rank must use the same. Internal: for measuring, not an API.
+        self._pattern = "two_shot"
+        self._averagers: dict[tuple[str, str], QuantizedAverage] = {}
 
     def __repr__(self) -> str:
         return (
@@ -171,18 +165,28 @@ class QuantizedState:
         self.error_dict = memory["error_dict"]
         self.shard_error_dict = memory["shard_error_dict"]
 
-    def _error(self, key: str, index: int, like: torch.Tensor) -> torch.Tensor | None:
-        """A bucket's saved error if it fits ``like`` (moved to its device once after a restore)."""
+    def _averager(self, fmt: str) -> QuantizedAverage:
+        """The collective for ``fmt``; it keeps each bucket's send and receive buffers between steps."""
+        key = (fmt, self._pattern)
+        averager = self._averagers.get(key)
+        if averager is None:
+            averager = self._averagers[key] = QuantizedAverage(fmt, self.block_size, self._pattern)
+        return averager
+
+    def _memory(self, key: str, index: int, numel: int, device: torch.device) -> torch.Tensor:
+        """A bucket's error memory of ``numel`` values (moved to ``device`` once after a restore).
+
+        A new memory holds -0.0: ``x + (-0.0) == x`` for every ``x``, so it changes nothing.
+        """
         memory = getattr(self, key)
         error = memory.get(index)
-        if error is None:
-            return None
-        if error.shape != like.shape:
+        if error is not None and error.numel() != numel:
             logger.info("quantized hook: bucket %d changed size (DDP rebuilt its buckets); its error restarts", index)
-            del memory[index]
-            return None
-        if error.device != like.device:
-            error = memory[index] = error.to(like.device)
+            error = None
+        if error is None:
+            error = memory[index] = torch.full((numel,), -0.0, device=device)
+        elif error.device != device:
+            error = memory[index] = error.to(device)
         return error
 
 
@@ -219,40 +223,17 @@ def _quantized_average(fmt: str, state: QuantizedState, bucket: dist.GradBucket)
     buffer = bucket.buffer()
     if world == 1:
         return _done(buffer)
-    index, numel, block = bucket.index(), buffer.numel(), state.block_size
-    cols = chunk_numel(numel, world, block)
-    work = torch.zeros(world * cols, dtype=torch.float32, device=buffer.device)
-    work[:numel].copy_(buffer)
-    error = state._error("error_dict", index, work) if state.error_feedback else None
-    if error is not None:
-        work.add_(error)
-    send = quantize_rows(work.view(world, cols), fmt, block)
+    averager = state._averager(fmt)
+    index, numel = bucket.index(), buffer.numel()
+    error = shard_error = None
     if state.error_feedback:
-        state.error_dict[index] = work.sub_(dequantize_rows(send, fmt, cols, block).view(-1))
-    recv = torch.empty_like(send)
-    row_bytes = send.shape[1]
-    state.bytes_sent += 2 * (world - 1) * row_bytes
-
-    def launch_all_to_all() -> torch.futures.Future:
-        return dist.all_to_all_single(recv, send, group=group, async_op=True).get_future()
-
-    def gather_average(fut: torch.futures.Future) -> torch.Tensor:
-        average = dequantize_rows(recv, fmt, cols, block).sum(0).div_(world)
-        shard_error = state._error("shard_error_dict", index, average) if state.error_feedback else None
-        if shard_error is not None:
-            average.add_(shard_error)
-        row = quantize_rows(average.view(1, cols), fmt, block)
-        if state.error_feedback:
-            state.shard_error_dict[index] = average.sub_(dequantize_rows(row, fmt, cols, block).view(-1))
-        gathered = torch.empty(world, row_bytes, dtype=torch.uint8, device=buffer.device)
-        _ALL_GATHER(gathered.view(-1), row.view(-1), group=group, async_op=True).get_future().wait()
-        values = dequantize_rows(gathered, fmt, cols, block).view(-1)
-        buffer.copy_(values[:numel])
-        for tensor in (send, recv, row, gathered):
-            keep_until_stream_done(tensor)
-        return buffer
-
-    return state._chain.run(launch_all_to_all, gather_average)
+        error = state._memory("error_dict", index, averager.padded_numel(numel, world), buffer.device)
+        if averager.shard_numel(numel, world):
+            shard_error = state._memory("shard_error_dict", index, averager.shard_numel(numel, world), buffer.device)
+    # Encoding runs here, on the hook's stream; the rest on the averager's side stream.
+    pending = averager.begin(buffer, group, error=error, shard_error=shard_error, key=index)
+    state.bytes_sent += pending.bytes_sent
+    return state._chain.run(pending.launch, lambda _: pending.result())
 
 
 def int8_compress_hook(state: QuantizedState | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

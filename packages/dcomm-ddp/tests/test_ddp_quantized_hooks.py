@@ -2,13 +2,16 @@
 feedback over many steps, bit-identical resume, and the bytes on the wire."""
 
 import io
+import itertools
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import dcomm.ddp
+from dcomm.core import payload_bytes, quantized_average_bytes
 from dcomm.core.quantization import max_code
+from dcomm.core.quantized_average import chunk_numel
 from dcomm.ddp import QuantizedState, fp8_compress_hook, int8_compress_hook, quantized_allreduce_bytes
 from dcomm_testing import (
     assert_same_on_ranks,
@@ -51,26 +54,33 @@ def _bounds_and_bytes(rank: int, world: int) -> None:
     numel = 1000  # not a multiple of world * BLOCK: the chunks are padded
     grads = [grad(r, 0, numel) for r in range(world)]
     exact = torch.stack([g.double() for g in grads]).mean(0)
-    for fmt, hook in HOOKS.items():
+    for (fmt, hook), pattern in itertools.product(HOOKS.items(), ("two_shot", "all_gather")):
         for dtype in (torch.float32, torch.bfloat16, torch.float64):
             state = QuantizedState(None, error_feedback=False, block_size=BLOCK)
+            state._pattern = pattern  # internal switch of the exchange, for measurements
             buffer = grads[rank].to(dtype, copy=True)
             out = hook(state, Bucket(buffer)).wait()
             assert out is buffer
-            # The ranks' roundings, averaged, plus the average's own re-quantization (bounded
-            # through the exact mean plus the first stage's error), plus the bucket's own rounding.
+            # The ranks' roundings, averaged, plus (two-shot) the average's own re-quantization
+            # (bounded through the exact mean plus the first stage's error), plus the bucket's own
+            # rounding.
             first = torch.stack([quantization_half_step(g.to(dtype), fmt, BLOCK) for g in grads]).mean(0)
-            second = quantization_half_step(exact.abs() + first, fmt, BLOCK)
+            second = quantization_half_step(exact.abs() + first, fmt, BLOCK) if pattern == "two_shot" else 0
             own = exact.abs() * (torch.finfo(dtype).eps if dtype != torch.float64 else 0)
             err = (out.double() - exact).abs()
             bound = first + second + own + 1e-6 * exact.abs()
-            assert (err <= bound).all(), f"{fmt} {dtype}: worst excess {(err - bound).max().item():.3e}"
+            assert (err <= bound).all(), f"{fmt} {pattern} {dtype}: worst excess {(err - bound).max().item():.3e}"
             assert (err > 0).any(), "no rounding at all: was anything quantized?"
             # Every rank holds the same average.
             gathered = [torch.empty_like(out) for _ in range(world)]
             dist.all_gather(gathered, out)
             assert all(torch.equal(g, out) for g in gathered)
-            assert state.bytes_sent == quantized_allreduce_bytes(numel, world, fmt, BLOCK)
+            sent = {  # a rank's own chunk (or copy) does not travel
+                "two_shot": 2 * (world - 1) * payload_bytes(chunk_numel(numel, world, BLOCK), fmt, BLOCK),
+                "all_gather": (world - 1) * payload_bytes(numel, fmt, BLOCK),
+            }[pattern]
+            assert state.bytes_sent == sent == quantized_average_bytes(numel, world, fmt, BLOCK, pattern)
+            assert pattern == "all_gather" or sent == quantized_allreduce_bytes(numel, world, fmt, BLOCK)
     # A None state: WORLD, no error feedback, same result as an explicit state without it.
     a = int8_compress_hook(None, Bucket(grads[rank].clone())).wait()
     b = int8_compress_hook(QuantizedState(None, error_feedback=False), Bucket(grads[rank].clone())).wait()

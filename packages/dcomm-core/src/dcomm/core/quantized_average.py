@@ -417,7 +417,8 @@ class PendingQuantizedAverage:
             else:
                 copies = averager._decode(buffers.gathered).view(world, -1)
                 torch.div(copies.sum(0)[: out.numel()], world, out=out)
-            for tensor in (out, buffers.gathered, buffers.row):
+            # Freed later on another stream, their memory waits for this stream's work (free on CPU).
+            for tensor in (out, buffers.send, buffers.gathered, buffers.row):
                 if tensor is not None:
                     keep_until_stream_done(tensor)
             done = None if side is None else side.record_event()

@@ -160,9 +160,9 @@ def _group_of_one_and_bad_arguments(rank: int, world: int) -> None:
     assert not error.any()
     with pytest.raises(RuntimeError, match="launch: this average was already launched"):
         pending.launch()
-    with pytest.raises(ValueError, match="tensor: expected a contiguous floating tensor"):
+    with pytest.raises(ValueError, match="tensor: expected a contiguous tensor"):
         averager.begin(torch.ones(8, 8).t(), None)
-    with pytest.raises(ValueError, match="tensor: expected a contiguous floating tensor"):
+    with pytest.raises(TypeError, match="tensor: expected a floating tensor"):
         averager.begin(torch.ones(8, dtype=torch.int32), None)
     with pytest.raises(ValueError, match=r"error: expected a contiguous float32 tensor of 100 or 128 values"):
         averager.begin(x, None, error=torch.zeros(101))
@@ -184,6 +184,8 @@ def test_bad_settings() -> None:
         QuantizedAverage("int8", pattern="ring")
     with pytest.raises(ValueError, match="block_size"):
         QuantizedAverage("int8", block_size=3)
+    with pytest.raises(TypeError, match="block_size"):
+        QuantizedAverage("int8", block_size=256.0)  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(600)

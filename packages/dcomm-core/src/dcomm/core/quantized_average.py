@@ -129,7 +129,9 @@ class QuantizedAverage:
 
     def __init__(self, fmt: str, block_size: int = 256, pattern: str = "two_shot") -> None:
         self.fmt = one_of("fmt", fmt, AVERAGE_FORMATS, "pass one of the formats")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2 or block_size % 2:
+        if isinstance(block_size, bool) or not isinstance(block_size, int):
+            raise TypeError(f"block_size: expected an even int >= 2, got {block_size!r}; the default is 256")
+        if block_size < 2 or block_size % 2:
             raise ValueError(f"block_size: expected an even int >= 2, got {block_size!r}; the default is 256")
         self.block_size = block_size
         self.pattern = one_of("pattern", pattern, AVERAGE_PATTERNS, "the default is 'two_shot'")
@@ -169,10 +171,11 @@ class QuantizedAverage:
 
             >>> pending = averager.begin(bucket.buffer(), None, key=bucket.index())  # doctest: +SKIP
         """
-        if not tensor.is_floating_point() or not tensor.is_contiguous():
+        if not tensor.is_floating_point():
+            raise TypeError(f"tensor: expected a floating tensor, got dtype {tensor.dtype}; convert it with .float()")
+        if not tensor.is_contiguous():
             raise ValueError(
-                f"tensor: expected a contiguous floating tensor, got {tensor.dtype} with strides "
-                f"{tensor.stride()}; pass tensor.contiguous().float()"
+                f"tensor: expected a contiguous tensor, got strides {tensor.stride()}; pass tensor.contiguous()"
             )
         world = group_size(group)
         numel, block = tensor.numel(), self.block_size
@@ -185,9 +188,10 @@ class QuantizedAverage:
         flat = tensor.view(-1)
         if flat.dtype.itemsize > 4:  # add in float32, as the wire does
             flat = flat.float()
-        source = flat if error is None else error[:numel].add_(flat)
-        if error is not None and error.numel() == padded:
+        source = flat
+        if error is not None:  # encode input plus carried error, in place in the memory
             source = error
+            error[:numel].add_(flat)
         buffers = self._get_buffers(key, padded // block, world, tensor.device)
         self._encode(source, numel, buffers.send)
         if error is not None:

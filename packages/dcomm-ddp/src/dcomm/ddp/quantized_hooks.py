@@ -184,7 +184,7 @@ class QuantizedState:
             logger.info("quantized hook: bucket %d changed size (DDP rebuilt its buckets); its error restarts", index)
             error = None
         if error is None:
-            error = memory[index] = torch.full((numel,), -0.0, device=device)
+            error = memory[index] = torch.full((numel,), -0.0, dtype=torch.float32, device=device)
         elif error.device != device:
             error = memory[index] = error.to(device)
         return error

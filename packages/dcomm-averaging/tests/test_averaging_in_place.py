@@ -219,14 +219,17 @@ def _packing_checks(rank: int, world: int) -> None:
         (100, [7 + 15, 64 * 300, 129 * 128, 11], [(7 + 15) * 4, (9 + 6) * 2, (5 + 6) * 2]),  # 11 floats don't fit
         (4, [64 * 300, 7, 15, 129 * 128, 11], [0, 0, 0]),  # nothing fits: nothing packed or allocated
     ]
-    for cap, fp32_launch, peak in cases:
+    # bucket_cap_mb bounds the pack too: 100 bytes of bucket pack as a 100-byte cap does.
+    cases = [(cap, launch, peak, impl.DEFAULT_BUCKET_CAP_MB) for cap, launch, peak in cases]
+    cases.append((impl.PACK_MAX_BYTES, cases[1][1], cases[1][2], 100 / MIB))
+    for cap, fp32_launch, peak, bucket_mb in cases:
         params = make_params(rank, PACKING, seed=21)
         before = _pointers(params)
         launches.clear()
         type(group).allreduce_coalesced = counting  # type: ignore[method-assign]
         try:
             with AllocationTracker() as mem:
-                forced(params, None, pack_max_bytes=cap)
+                forced(params, None, pack_max_bytes=cap, bucket_cap_mb=bucket_mb)
         finally:
             type(group).allreduce_coalesced = real  # type: ignore[method-assign]
         assert _pointers(params) == before, "a parameter moved"

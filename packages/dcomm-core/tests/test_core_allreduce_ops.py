@@ -129,8 +129,6 @@ def _nccl_premul_and_avg(rank: int, world: int) -> None:
             allreduce_future(ours, op=make_op()).wait()
             dist.all_reduce(theirs, op=make_op())
             assert torch.equal(ours, theirs), f"{what} {dtype}: differs from dist.all_reduce"
-            exact = torch.stack([rank_data(r, dtype).to(torch.complex128) for r in range(world)]).mean(0)
-            torch.testing.assert_close(ours.cpu().to(torch.complex128), exact, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL's PREMUL_SUM and AVG need 2 GPUs")

@@ -9,7 +9,8 @@ takes one of two paths:
   ``torch._foreach_div_`` around a ``SUM``), through the group's coalesced allreduce: one grouped
   NCCL launch for up to 1024 parameters. Parameters that lie back to back in one storage (a
   flattened model) are one allreduce. Small parameters (biases, norms: 64 KiB or less each) are
-  packed into one buffer of at most 1 MiB and averaged as one tensor, then copied back: each
+  packed into one buffer of at most 1 MiB (and ``bucket_cap_mb``) and averaged as one tensor,
+  then copied back: each
   collective in a grouped launch pays a fixed latency, and a transformer's hundred small tensors
   cost a quarter more than one flat allreduce of the same bytes.
 * **Buckets, at most ``bucket_cap_mb`` extra** -- everywhere else (gloo and CPU parameters, or
@@ -445,7 +446,8 @@ def _average_on_device(
             merged = _merged(tensors, runs)
             if paths.on_in_place is not None:
                 paths.on_in_place(merged)
-            _average_in_place(merged, group, paths.launch_max_tensors, paths.pack_max_bytes)
+            pack_max_bytes = min(paths.pack_max_bytes, int(cap_bytes))  # never more than a bucket
+            _average_in_place(merged, group, paths.launch_max_tensors, pack_max_bytes)
         return
     flat_groups = [[t if t.dim() == 1 else t.view(-1) for t in ts] for ts in groups]
     staging = _Staging(
@@ -498,10 +500,10 @@ def average_parameters(
 
     ``process_group`` defaults to WORLD; on a rank outside it this changes nothing. Parameters may
     live on several devices and have several dtypes: each ``(device, dtype)`` group is averaged in
-    its own dtype. GPU parameters on an NCCL group are divided and allreduced in their own storage
-    (``bucket_cap_mb`` is then unused): one grouped NCCL launch for up to 1024 parameters, one
-    allreduce for parameters that lie back to back in one storage, and one for the small ones
-    (64 KiB or less each), packed into at most 1 MiB of extra memory. Elsewhere
+    its own dtype. GPU parameters on an NCCL group are divided and allreduced in their own
+    storage: one grouped NCCL launch for up to 1024 parameters, one allreduce for parameters that lie
+    back to back in one storage, and one for the small ones (64 KiB or less each), packed into at
+    most 1 MiB (and at most ``bucket_cap_mb``) of extra memory. Elsewhere
     (gloo, CPU) they go through buckets of at most ``bucket_cap_mb`` MiB of extra memory per
     device (a parameter larger than a bucket is split across buckets); so do GPU parameters that
     alias one another. A dense non-contiguous layout (channels-last) is averaged through its

@@ -37,16 +37,19 @@ except ImportError:  # CPU-only installs: the torch form is used
 if triton is not None:
 
     @triton.jit
+    def _blocks_of_program(n_blocks, blocks_per_row, BLOCK: tl.constexpr, GROUP: tl.constexpr):  # type: ignore[no-untyped-def]
+        """This program's GROUP blocks: which exist, their row, their index in it, their columns."""
+        blocks = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
+        block = blocks % blocks_per_row
+        return blocks < n_blocks, blocks // blocks_per_row, block, block[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+
+    @triton.jit
     def _quantize(  # type: ignore[no-untyped-def]
         x_ptr, codes_ptr, scales_ptr, n_blocks, blocks_per_row, cols, row_bytes, row_words,
         LIMIT: tl.constexpr, INV_LIMIT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
         FP8: tl.constexpr,
     ):  # fmt: skip
-        blocks = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
-        valid = blocks < n_blocks
-        row = blocks // blocks_per_row
-        block = blocks % blocks_per_row
-        column = block[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        valid, row, block, column = _blocks_of_program(n_blocks, blocks_per_row, BLOCK, GROUP)
         x = tl.load(x_ptr + row[:, None].to(tl.int64) * cols + column, mask=valid[:, None], other=0.0)
         x = x.to(tl.float32)
         scale = tl.max(tl.abs(x), axis=1) * INV_LIMIT  # torch's CUDA division by a scalar
@@ -68,11 +71,7 @@ if triton is not None:
         codes_ptr, scales_ptr, out_ptr, n_blocks, blocks_per_row, cols, row_bytes, row_words,
         BLOCK: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
     ):  # fmt: skip
-        blocks = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
-        valid = blocks < n_blocks
-        row = blocks // blocks_per_row
-        block = blocks % blocks_per_row
-        column = block[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        valid, row, block, column = _blocks_of_program(n_blocks, blocks_per_row, BLOCK, GROUP)
         raw = tl.load(codes_ptr + row[:, None].to(tl.int64) * row_bytes + column, mask=valid[:, None], other=0)
         if FP8:
             values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from dcomm.averaging._torch_private import foreach_copy_, foreach_div_
-from dcomm.core import plan_average, reduced_by_nccl, resolve_group
+from dcomm.core import plan_average, reduced_by_nccl, resolve_group, start_allreduce
 from dcomm.core.validation import positive_number
 
 __all__ = [
@@ -74,6 +74,8 @@ class _Segment(NamedTuple):
     length: int
 
     def view(self) -> torch.Tensor:
+        if self.start == 0 and self.length == self.flat.numel():
+            return self.flat  # the whole parameter: no new view (host time per parameter)
         return self.flat.narrow(0, self.start, self.length)
 
 
@@ -292,8 +294,7 @@ def _average_group(flats: list[torch.Tensor], group: dist.ProcessGroup, staging:
             torch.cat([s.view() for s in segments], out=staged)
         if pre != 1.0:
             staged.div_(pre)
-        work = dist.all_reduce(staged, op=op, group=group, async_op=True)
-        assert work is not None
+        work = start_allreduce(staged, group, op)
         in_flight.append((work, staged, segments))
     while in_flight:
         finish(*in_flight.pop(0))

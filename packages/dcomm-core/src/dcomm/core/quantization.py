@@ -266,6 +266,11 @@ def dequantize(
     return out
 
 
+def _word_aligned_rows(packed: torch.Tensor) -> bool:
+    """Whether the fused kernels can read ``packed``'s scales as float32 words (rows 4-byte aligned)."""
+    return packed.stride(1) == 1 and packed.stride(0) % 4 == 0 and packed.storage_offset() % 4 == 0
+
+
 def _fused_kernels(tensor: torch.Tensor, fmt: str, block_size: int) -> Any:
     """The fused Triton kernels when they take ``tensor`` (CUDA, int8/fp8), else None."""
     if not tensor.is_cuda:
@@ -316,7 +321,7 @@ def quantize_rows(rows: torch.Tensor, fmt: str, block_size: int = 256, out: torc
     elif out.dtype != torch.uint8 or tuple(out.shape) != shape:
         raise ValueError(f"out: expected uint8 of shape {shape}, got {tuple(out.shape)} of {out.dtype}")
     fused = _fused_kernels(rows, fmt, block_size)
-    if fused is not None and out.stride(1) == 1:
+    if fused is not None and _word_aligned_rows(out):
         return fused.quantize_rows_into(rows, fmt, block_size, out, _MAX_CODE[fmt])
     blocks = rows.to(torch.float32).unflatten(1, (cols // block_size, block_size))
     codes, scale_bytes = _split_rows(out, cols, fmt, block_size)
@@ -358,7 +363,7 @@ def dequantize_rows(
     elif out.numel() != n * cols or not out.is_floating_point():
         raise ValueError(f"out: expected a floating tensor of {n}x{cols} values, got {tuple(out.shape)} of {out.dtype}")
     target = out if out.shape == (n, cols) else out.view(n, cols)
-    if packed.is_cuda and packed.is_contiguous() and target.is_contiguous():
+    if packed.is_cuda and _word_aligned_rows(packed) and target.is_contiguous():
         fused = _fused_kernels(target, fmt, block_size)
         if fused is not None:
             fused.dequantize_rows_into(packed, fmt, cols, block_size, target)

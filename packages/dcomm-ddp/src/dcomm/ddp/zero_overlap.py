@@ -52,8 +52,8 @@ settled, that warns once and :func:`fallback_count` counts such buckets. With
 ``gather_during_forward=True`` the all-gathers of the updated slices are not waited for at the
 end of backward: each module's next forward waits for its own parameters' shards (the state
 dict waits for all of them; :func:`wait_for_parameters` does so on demand). The parameters
-equal those of non-overlapped ZeRO up to summation order (float32: within rtol 1e-5 / atol 1e-6 after several Adam steps;
-bit-identical on 2 gloo ranks). ``zero.state_dict()`` stays torch's per-parameter format
+equal those of non-overlapped ZeRO up to summation order (float32: within rtol 1e-5 / atol 1e-6
+after several Adam steps; bit-identical on 2 gloo ranks). ``zero.state_dict()`` stays torch's per-parameter format
 (slices are joined on consolidation and cut again on load), so checkpoints move between every
 layout and non-overlapped ZeRO.
 

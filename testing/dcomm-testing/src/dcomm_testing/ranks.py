@@ -85,7 +85,7 @@ def _rank_main(
             timeout=timedelta(seconds=timeout),
             device_id=device_id,
         )
-        _wait_for_all(store, "dcomm/initialized", world_size, timeout)
+        _wait_for_all(store, "dcomm/initialized", world_size, max(timeout, _START_S))
         try:
             value = fn(rank, world_size, *args)
         finally:
@@ -95,6 +95,9 @@ def _rank_main(
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
+
+_START_S = 60.0
+"""Seconds at least that ranks get to start and meet (CUDA and NCCL start-up), whatever ``timeout``."""
 
 _GRACE_S = 10.0
 """Seconds the other ranks get to end by themselves once one rank has failed (then they are killed)."""
@@ -150,7 +153,7 @@ def _collect(procs: list[Any], results: Any, timeout: float, grace: float) -> di
     deadline, are killed."""
     world_size = len(procs)
     outcomes: dict[int, tuple[bool, Any]] = {}
-    deadline = time.monotonic() + timeout + 30.0
+    deadline = time.monotonic() + max(timeout, _START_S) + 30.0
     first_failure: float | None = None
     try:
         while len(outcomes) < world_size:
@@ -208,8 +211,9 @@ def run_ranks(
 
     ``fn`` must be importable by name (a module-level function) and its arguments and result
     picklable. ``env`` is set in every rank before the process group starts (``LOCAL_WORLD_SIZE``
-    for a simulated multi-node layout, say). ``timeout`` bounds both the process group's
-    collectives and the whole run. Once a rank has failed, the others get ``grace`` seconds to end
+    for a simulated multi-node layout, say). ``timeout`` bounds the process group's collectives
+    and the whole run; starting and meeting get at least 60 s whatever it says (CUDA and NCCL
+    start-up), so a short collective timeout does not fail the start. Once a rank has failed, the others get ``grace`` seconds to end
     by themselves before they are killed (raise it above ``timeout`` where they must time out in a
     collective and report that, as NCCL ranks do).
 

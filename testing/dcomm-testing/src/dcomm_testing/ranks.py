@@ -213,9 +213,9 @@ def run_ranks(
     picklable. ``env`` is set in every rank before the process group starts (``LOCAL_WORLD_SIZE``
     for a simulated multi-node layout, say). ``timeout`` bounds the process group's collectives
     and the whole run; starting and meeting get at least 60 s whatever it says (CUDA and NCCL
-    start-up), so a short collective timeout does not fail the start. Once a rank has failed, the others get ``grace`` seconds to end
-    by themselves before they are killed (raise it above ``timeout`` where they must time out in a
-    collective and report that, as NCCL ranks do).
+    start-up), so a short collective timeout does not fail the start. Once a rank has failed, the
+    others get ``grace`` seconds to end by themselves before they are killed (raise it above
+    ``timeout`` where they must time out in a collective and report that, as NCCL ranks do).
 
     Example::
 

@@ -153,7 +153,7 @@ def _sizes(chunks: Iterator[list[torch.Tensor]]) -> list[list[int]]:
 
 
 def _merged(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return impl._merge_adjacent(tensors, [(t.data_ptr(), t.nbytes) for t in tensors])
+    return impl._merged(tensors, impl._adjacent_runs(tensors, [(t.data_ptr(), t.nbytes) for t in tensors]))
 
 
 def _overlap(tensors: list[torch.Tensor]) -> bool:

@@ -197,11 +197,6 @@ def _merged(tensors: list[torch.Tensor], runs: list[tuple[int, int]]) -> list[to
     return [_span(tensors[start : start + count]) for start, count in runs]
 
 
-def _merge_adjacent(tensors: list[torch.Tensor], spans: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """Join consecutive dense tensors that lie back to back in one storage into one 1-D view."""
-    return _merged(tensors, _adjacent_runs(tensors, spans))
-
-
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 

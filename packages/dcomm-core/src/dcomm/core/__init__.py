@@ -12,6 +12,7 @@ from dcomm.core.averaging import AveragePlan, average_sync, plan_average
 from dcomm.core.collectives import (
     all_gather_single,
     allreduce_future,
+    completed_future,
     group_size,
     member_size,
     reduce_scatter_future,
@@ -49,6 +50,7 @@ __all__ = [
     "QuantizedAverage",
     "__version__",
     "all_gather_single",
+    "completed_future",
     "allreduce_future",
     "average_sync",
     "cast_for_communication",

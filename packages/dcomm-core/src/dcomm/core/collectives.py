@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 __all__ = [
     "all_gather_single",
+    "completed_future",
     "allreduce_future",
     "reduced_by_nccl",
     "group_size",
@@ -236,6 +237,19 @@ def start_all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.Pro
         >>> start_all_gather(flat, shard, dist.group.WORLD).wait()  # doctest: +SKIP
     """
     return group._allgather_base(output, tensor, _ALLGATHER)
+
+
+def completed_future(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """A future already holding ``tensor``: what a comm hook returns when nothing is left to wait for.
+
+    Example::
+
+        >>> completed_future(torch.zeros(2)).wait()
+        tensor([0., 0.])
+    """
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
 
 
 def _divided_in_place(fut: torch.futures.Future, tensor: torch.Tensor, postdivide: float) -> torch.Tensor:

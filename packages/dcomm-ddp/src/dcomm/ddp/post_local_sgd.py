@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcomm.core import allreduce_future, get_logger, intra_node_subgroups, plan_average, resolve_group
+from dcomm.core import allreduce_future, completed_future, get_logger, intra_node_subgroups, plan_average, resolve_group
 from dcomm.core.validation import boolean, check_state_dict, non_negative_int
 
 __all__ = ["PostLocalSGDState", "post_localSGD_hook"]
@@ -200,12 +200,6 @@ def _local_group(state: Any) -> dist.ProcessGroup:
     return state.subgroup
 
 
-def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(tensor)
-    return fut
-
-
 def post_localSGD_hook(state: PostLocalSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket globally before ``state.start_localSGD_iter``, locally after it.
 
@@ -233,7 +227,7 @@ def post_localSGD_hook(state: PostLocalSGDState, bucket: dist.GradBucket) -> tor
         group = _local_group(state)
     state.maybe_increase_iter(bucket)
     if group is None or group.size() == 1:
-        return _done(buffer)
+        return completed_future(buffer)
     # torch's arithmetic, bit for bit: divide by the group size, then SUM.
     plan = plan_average(
         group, buffer.dtype, buffer.device, arithmetic="predivide", nccl_average=False, nccl_premul=False

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcomm.core import QuantizedAverage, quantized_average_bytes, resolve_group
+from dcomm.core import QuantizedAverage, completed_future, quantized_average_bytes, resolve_group
 from dcomm.ddp._ordered_chain import OrderedChain
 
 __all__ = ["QuantizedState", "fp8_compress_hook", "int8_compress_hook", "quantized_allreduce_bytes"]
@@ -213,19 +213,13 @@ def _resolve_state(state: object, hook: str) -> QuantizedState:
     )
 
 
-def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(tensor)
-    return fut
-
-
 def _quantized_average(fmt: str, state: QuantizedState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     # Callbacks name the group through the state, never hold it (see powersgd._compress_matrices).
     group = state.process_group
     world = resolve_group(group).size()
     buffer = bucket.buffer()
     if world == 1:
-        return _done(buffer)
+        return completed_future(buffer)
     averager = state._averager(fmt)
     index, numel = bucket.index(), buffer.numel()
     error = shard_error = None

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import dcomm.ddp._torch_private as private
-from dcomm.core import start_reduce_scatter, warn_once
+from dcomm.core import completed_future, start_reduce_scatter, warn_once
 from dcomm.ddp._zero import checkpoint
 from dcomm.ddp._zero.driver import Driver, Setup, all_gather, all_gathers, optimizer_class
 from dcomm.ddp._zero.layout import Shard, pack_shards
@@ -71,12 +71,6 @@ class _Pending:
     ready: list[Shard]  # shards whose whole gradient has arrived with this bucket
     scattered: list[dist.Work]  # their reduce-scatters, in the same order
     stepped: bool = False
-
-
-def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(tensor)
-    return fut
 
 
 class ShardedDriver(Driver):
@@ -137,10 +131,7 @@ class ShardedDriver(Driver):
         shard, first layers first, each waited for by the next forward of the modules it holds.
         """
         if not self.gather_during_forward:
-            if len(shards) > 1:
-                self.works.extend(all_gathers([(shard.flat, shard.slice) for shard in shards], self.group))
-            else:
-                self.works.extend(all_gather(shard.flat, shard.slice, self.group) for shard in shards)
+            self.works.extend(all_gathers([(shard.flat, shard.slice) for shard in shards], self.group))
             return
         for shard in sorted(shards, key=lambda shard: -shard.index):  # buckets hold the last layers first
             self.deferred[shard.index] = all_gather(shard.flat, shard.slice, self.group)
@@ -237,7 +228,7 @@ class ShardedDriver(Driver):
             # DDP gets the bucket back unchanged: param.grad keeps the local gradient, so a gradient
             # accumulated over several backward passes still averages to plain ZeRO's.
             self._counting[0] += 1
-            fut = _done(buffer)
+            fut = completed_future(buffer)
         else:
             self._counting[1] += 1
             self._warn_uncovered(bucket, plan)

@@ -21,6 +21,8 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import random
 import statistics
 import time
@@ -42,6 +44,7 @@ __all__ = [
     "VariantResult",
     "bootstrap_median_interval",
     "compare",
+    "keep_variants",
     "median_ratio_interval",
     "run_case",
     "steps_per_block",
@@ -222,6 +225,24 @@ def compare(pair: Pair, variants: dict[str, VariantResult], draws: int = 2000) -
 
 # --------------------------------------------------------------------------------------------
 # Running a case
+
+
+def keep_variants(case: Case, patterns: list[str]) -> Case:
+    """``case`` with only the variants whose names match one of the glob ``patterns``, and their pairs.
+
+    Example::
+
+        >>> pairs = [Pair("c", "dcomm a", "torch a", "dcomm/torch")]
+        >>> case = Case("c", {"torch a": dict, "dcomm a": dict, "no overlap": dict}, pairs)
+        >>> kept = keep_variants(case, ["dcomm *", "no overlap"])
+        >>> sorted(kept.variants), kept.pairs
+        (['dcomm a', 'no overlap'], [])
+    """
+    if not patterns:
+        return case
+    kept = {name: build for name, build in case.variants.items() if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
+    pairs = [pair for pair in case.pairs if pair.a in kept and pair.b in kept]
+    return dataclasses.replace(case, variants=kept, pairs=pairs)
 
 
 def _build_all(bench: Bench, case: Case) -> tuple[dict[str, Variant], dict[str, str]]:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tools.bench import __doc__ as bench_doc
-from tools.bench.ab import CaseResult, Policy, VariantResult, run_case
+from tools.bench.ab import CaseResult, Policy, VariantResult, keep_variants, run_case
 from tools.bench.cases import CASES, PER_RUN_CASES, PER_WORKLOAD_CASES, Context
 from tools.bench.report import table_lines
 from tools.bench.timing import Bench, release_memory
@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--precision", nargs="+", choices=[*PRECISIONS, "all"], default=["tf32"], help="precisions (default: tf32)"
+    )
+    parser.add_argument(
+        "--variants", nargs="+", default=[], help="only variants matching these globs, e.g. 'dcomm *' 'no overlap'"
     )
     parser.add_argument("--link", choices=["fast", "slow"], default="fast", help="label of the link under test")
     parser.add_argument("--size", choices=["auto", "large", "small"], default="auto", help="auto: large on GPUs")
@@ -110,14 +113,16 @@ def skipped(case: str, workload: str, precision: str, reason: str) -> CaseResult
     return CaseResult(case, workload, precision, 0, 0, 0.0, {}, {"all variants": VariantResult(error=reason)}, [])
 
 
-def run_one(bench: Bench, tier: str, policy: Policy, case: str, workload: str, precision: str) -> CaseResult:
+def run_one(
+    bench: Bench, tier: str, policy: Policy, case: str, workload: str, precision: str, variants: list[str] = ()
+) -> CaseResult:
     """One case on one workload and precision; a failure outside its variants becomes an error."""
     # Per-run cases ("-") ignore the workload and precision; they get mlp-wide in fp32.
     model = WORKLOADS[workload if workload != "-" else "mlp-wide"][tier]
     set_tf32(precision not in ("fp32", "-"))
     ctx = Context(bench, model, precision if precision != "-" else "fp32")
     try:
-        return run_case(bench, CASES[case](ctx), policy, workload, precision)
+        return run_case(bench, keep_variants(CASES[case](ctx), list(variants)), policy, workload, precision)
     except Exception as exc:  # reported in the table
         release_memory()
         return skipped(case, workload, precision, f"error: {short_error(exc)}")
@@ -187,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         if bench.out_of_time():
             results.append(skipped(case, workload, precision, "skipped: the benchmark's time budget was spent"))
             continue
-        result = run_one(bench, tier, policy, case, workload, precision)
+        result = run_one(bench, tier, policy, case, workload, precision, args.variants)
         results.append(result)
         if bench.rank == 0:
             print(f"[bench] {case} {workload} {precision}: {result.rounds} rounds, {result.seconds:.1f}s", flush=True)

@@ -1,6 +1,8 @@
 """ZeRO (ZeroRedundancyOptimizer with Adam): the overlap hooks of dcomm and torch vs no overlap.
 
-Variants: non-overlapped ZeRO (the reference), torch's and dcomm's ``hook_with_zero_step`` and
+Variants: non-overlapped ZeRO (the reference), ``no step`` (the same DDP forward and backward with
+no optimizer at all: no overlap of the step and its parameter collectives can beat it, so
+``zero/bound`` is the floor of every ratio to the reference), torch's and dcomm's ``hook_with_zero_step`` and
 ``hook_with_zero_step_interleaved``, and dcomm's ``reduce_scatter=True`` mode of each (one
 reduce-scatter and one all-gather per bucket), also with ``gather_during_forward=True`` (``+gf``:
 the next forward waits for each module's parameters). dcomm's variants choose their step path
@@ -80,8 +82,12 @@ def build_zero(
 
 def zero_case(ctx: Context) -> Case:
     grad_mib = round(ctx.workload.parameters * 4 / 2**20, 1)
-    variants = {"no overlap": lambda: build_zero(ctx, None)}
-    case = Case("zero", variants, [], warmup_steps=WARMUP_STEPS, details={"grad MiB": grad_mib})
+    variants = {
+        "no overlap": lambda: build_zero(ctx, None),
+        "no step": lambda: Variant(train_step(ctx, ctx.ddp(ctx.model()), None)),
+    }
+    bound = Pair("zero/bound", "no step", "no overlap", "torch/reference")
+    case = Case("zero", variants, [bound], warmup_steps=WARMUP_STEPS, details={"grad MiB": grad_mib})
     for name in ZERO_HOOKS:
         add_versions(case, f"zero/{name}", name, lambda impl, name=name: build_zero(ctx, (impl, name)), "no overlap")
     for name in ZERO_HOOKS:

@@ -24,7 +24,7 @@ EXPECTED_ROWS = {
         "compression/powersgd",
     },
     "post-local-sgd": {"post-local-sgd/periodic", "post-local-sgd/hierarchical"},
-    "zero": {"zero/step", "zero/interleaved", "zero/step+rs", "zero/interleaved+rs"}
+    "zero": {"zero/bound", "zero/step", "zero/interleaved", "zero/step+rs", "zero/interleaved+rs"}
     | {f"zero/{hook}+rs+gather_during_forward" for hook in ("step", "interleaved")}
     | {f"zero/step{rs} {mode}" for rs in ("", "+rs") for mode in ("fused", "per_bucket")},
     "fsdp": {"fsdp/reduce_scatter", "fsdp/fp16", "fsdp/bf16", "fsdp/allreduce"},

@@ -34,7 +34,6 @@ from dcomm.ddp import (
     post_localSGD_hook,
     wait_for_parameters,
 )
-from dcomm.ddp._zero import layout as zero_layout
 from dcomm_testing import assert_same_on_ranks, flat_parameters, run_ranks, seeded_mlp, seeded_normal
 
 BUILDERS = {"step": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
@@ -194,8 +193,6 @@ def _rs_matrix(rank: int, world: int, steps: int = 4) -> list[str]:
         zero, ref_model = ours[2], ref[0]
         driver = _driver(zero)
         assert len(zero.optim.param_groups[0]["params"]) == len(driver.layout)
-        if zero_layout.SEGMENT_BYTES < 1024:  # test_segmented_reduce_scatter: several per shard
-            assert min(shard.segments for shard in driver.layout) > 1, case
         assert {s.numel() for s in zero.optim.param_groups[0]["params"]} <= {sh.chunk for sh in driver.layout}
         for step in steps_against_reference(case, rank, steps, ours, ref, RS_TOL):
             _check_owned_grads(f"{case} step {step}", zero, ref_model, rank)
@@ -712,11 +709,9 @@ def _errors(rank: int, world: int) -> None:
 # -- the tests: few rank launches (each costs seconds), many checks per launch ---------------------
 
 
-def _suite(rank: int, world: int, parts: list[str], step_mode: str = "per_bucket", segment_bytes: int = 0) -> int:
+def _suite(rank: int, world: int, parts: list[str], step_mode: str = "per_bucket") -> int:
     global STEP_MODE
     STEP_MODE = step_mode
-    if segment_bytes:
-        zero_layout.SEGMENT_BYTES = segment_bytes
     for part in parts:
         result = globals()[part](rank, world)
         if part == "_matrix":
@@ -735,13 +730,6 @@ def test_world2_every_step_matches_non_overlapped_zero_first_step_bf16(step_mode
     """The 16-case matrix (and reduce_scatter's 8) at world 2, torch's lost first update, bf16."""
     parts = ["_matrix", "_rs_matrix", "_first_step", "_bf16", "_reordered"]
     assert run_ranks(_suite, 2, parts, step_mode, timeout=300) == [5, 5]
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_segmented_reduce_scatter_matches_non_overlapped_zero(world: int) -> None:
-    """Shards reduce-scattered in several segments (64-byte cap): the same parameters, checkpoints."""
-    parts = ["_rs_matrix", "_reordered"] + (["_resume"] if world == 2 else [])  # _resume is a 2-rank check
-    assert run_ranks(_suite, world, parts, "fused", 64, timeout=300) == [len(parts)] * world
 
 
 @pytest.mark.parametrize("step_mode", STEP_PATHS)

@@ -7,12 +7,6 @@ byte caps). Ownership is then either per parameter (:func:`partition`: whole buc
 bucket cut at parameter boundaries) or element-wise (:func:`pack_shards`: every bucket packed
 into one flat buffer cut into ``world`` equal slices, for ``reduce_scatter=True``).
 
-A shard's reduce-scatter is issued in segments of at most :data:`SEGMENT_BYTES`: one NCCL
-reduce-scatter of a 64 MiB fp32 bucket took 0.93 ms on 4x H100 (NCCL 2.28, NVLS off), 1.9x
-the allreduce of the same bucket, while a 25 MiB one took 0.10 ms. Segment ``j`` of the send
-buffer holds every rank's ``j``-th sub-slice back to back, so its output is the ``j``-th piece
-of this rank's slice: the slice, the optimizer and the checkpoint format stay as they are.
-
 Example::
 
     >>> buckets = expected_buckets(ddp, list(ddp.parameters()))  # doctest: +SKIP
@@ -28,9 +22,6 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import dcomm.ddp._torch_private as private
-
-SEGMENT_BYTES = 25 * 2**20
-"""The largest reduce-scatter a shard issues (DDP's default bucket size)."""
 
 
 def expected_buckets(ddp: DistributedDataParallel, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -84,41 +75,13 @@ class Shard:
     flat: torch.Tensor  # world * chunk elements
     slice: torch.Tensor  # flat[rank * chunk : (rank + 1) * chunk]: the local optimizer's parameter
     grad: torch.Tensor  # chunk elements, the parameters' dtype: ``slice.grad``
-    send: torch.Tensor  # world * chunk elements, communication dtype, laid out by segment
+    send: torch.Tensor  # world * chunk elements, communication dtype
     recv: torch.Tensor  # chunk elements, communication dtype (is ``grad`` when dtypes agree)
-    segments: int = 1  # reduce-scatters per step; ``chunk`` is a multiple of it
     seen: int = 0  # parameters whose averaged gradient arrived this backward (fallback path)
 
     @property
     def key(self) -> tuple[int, ...]:
         return tuple(id(p) for p in self.params)
-
-    def send_runs(self, source: int, start: int, numel: int) -> list[tuple[int, int, int]]:
-        """``(source offset, send offset, numel)`` runs for ``flat[start : start + numel]``.
-
-        Element ``r * chunk + j * sub + e`` of ``flat`` (rank ``r``, segment ``j``) goes to
-        ``(j * world + r) * sub + e`` of ``send``: the identity with one segment.
-        """
-        sub = self.chunk // self.segments
-        world = self.flat.numel() // self.chunk
-        runs = []
-        end = start + numel
-        while start < end:
-            rank, within = divmod(start, self.chunk)
-            segment, e = divmod(within, sub)
-            n = min(end - start, sub - e)
-            runs.append((source, (segment * world + rank) * sub + e, n))
-            source, start = source + n, start + n
-        return runs
-
-    def reduce_scatter_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(output, input)`` of each segment's reduce-scatter, in order."""
-        sub = self.chunk // self.segments
-        world = self.flat.numel() // self.chunk
-        return [
-            (self.recv[j * sub : (j + 1) * sub], self.send[j * world * sub : (j + 1) * world * sub])
-            for j in range(self.segments)
-        ]
 
 
 def _packed(params: list[torch.Tensor], size: int) -> tuple[torch.Tensor, list[int]]:
@@ -143,15 +106,12 @@ def pack_shards(
     shards = []
     for index, params in enumerate(buckets):
         numel = _numel(params)
-        dtype = params[0].dtype if reduce_dtype is None else reduce_dtype
         chunk = max(1, math.ceil(numel / world))
-        element = torch.empty((), dtype=dtype).element_size()
-        segments = min(chunk, max(1, math.ceil(world * chunk * element / SEGMENT_BYTES)))
-        chunk = segments * math.ceil(chunk / segments)
         flat, offsets = _packed(params, world * chunk)
         piece = flat[rank * chunk : (rank + 1) * chunk]
         piece.grad = grad = torch.zeros(chunk, dtype=flat.dtype, device=flat.device)
+        dtype = flat.dtype if reduce_dtype is None else reduce_dtype
         send = torch.zeros(world * chunk, dtype=dtype, device=flat.device)
         recv = grad if dtype == flat.dtype else torch.zeros(chunk, dtype=dtype, device=flat.device)
-        shards.append(Shard(index, params, offsets, numel, chunk, flat, piece, grad, send, recv, segments))
+        shards.append(Shard(index, params, offsets, numel, chunk, flat, piece, grad, send, recv))
     return shards

@@ -2,9 +2,8 @@
 
 Every expected DDP bucket is a flat buffer cut into ``world`` equal slices (see
 :func:`dcomm.ddp._zero.layout.pack_shards`); rank ``r``'s local optimizer steps slice ``r`` of
-every shard. Per shard and step: a reduce-scatter of ``gradient / world`` (in the wrapped
-hook's dtype; one per segment of at most ``layout.SEGMENT_BYTES``), the step, one all-gather of
-the updated slices into the flat buffer.
+every shard. Per shard and step: one reduce-scatter of ``gradient / world`` (in the wrapped
+hook's dtype), the step, one all-gather of the updated slices into the flat buffer.
 
 DDP's real buckets need not be the planned ones: DDP settles its buckets in the order gradients
 became ready in the first iteration, which the plan cannot know (a Linear's weight gradient may
@@ -51,7 +50,7 @@ class _Piece:
 
     shard: Shard
     count: int  # parameters
-    runs: list[tuple[int, int, int]]  # (bucket offset, send offset, numel), contiguous in both
+    runs: list[tuple[int, int, int]]  # (bucket offset, flat offset, numel), contiguous in both
     # (address of DDP's bucket buffer, its run views, ``shard.send``'s run views), made once
     views: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
 
@@ -70,7 +69,7 @@ class _Pending:
     plan: _Plan
     fut: torch.futures.Future  # what DDP gets
     ready: list[Shard]  # shards whose whole gradient has arrived with this bucket
-    scattered: list[list[dist.Work]]  # their reduce-scatters (one per segment), in the same order
+    scattered: list[dist.Work]  # their reduce-scatters, in the same order
     stepped: bool = False
 
 
@@ -155,12 +154,11 @@ class ShardedDriver(Driver):
                     plan.pieces.append(piece)
                 piece.count += 1
                 runs = piece.runs
-                for run in shard.send_runs(offset, flat_offset, p.numel()):
-                    if runs and runs[-1][0] + runs[-1][2] == run[0] and runs[-1][1] + runs[-1][2] == run[1]:
-                        src, dst, numel = runs[-1]
-                        runs[-1] = (src, dst, numel + run[2])
-                    else:
-                        runs.append(run)
+                if runs and runs[-1][0] + runs[-1][2] == offset and runs[-1][1] + runs[-1][2] == flat_offset:
+                    src, dst, numel = runs[-1]
+                    runs[-1] = (src, dst, numel + p.numel())
+                else:
+                    runs.append((offset, flat_offset, p.numel()))
             offset += p.numel()
         return plan
 
@@ -189,7 +187,7 @@ class ShardedDriver(Driver):
             for source, target in zip(sources, targets, strict=True):
                 torch.div(source, self.world, out=target)  # divide before the cast, as the hooks do
 
-    def _scatter(self, plan: _Plan, buffer: torch.Tensor) -> tuple[list[Shard], list[list[dist.Work]]]:
+    def _scatter(self, plan: _Plan, buffer: torch.Tensor) -> tuple[list[Shard], list[dist.Work]]:
         """Put the bucket's pieces into their shards; reduce-scatter each shard now complete."""
         ready, scattered = [], []
         for piece in plan.pieces:
@@ -199,9 +197,7 @@ class ShardedDriver(Driver):
             if shard.seen == len(shard.params):
                 shard.seen = 0
                 ready.append(shard)
-                scattered.append(
-                    [start_reduce_scatter(out, inp, self.group) for out, inp in shard.reduce_scatter_pairs()]
-                )
+                scattered.append(start_reduce_scatter(shard.recv, shard.send, self.group))
         return ready, scattered
 
     def _warn_uncovered(self, bucket: dist.GradBucket, plan: _Plan) -> None:
@@ -259,8 +255,7 @@ class ShardedDriver(Driver):
         """Put the averaged gradient of this rank's slices into ``shard.grad`` for ``item``'s shards."""
         for shard, scattered in zip(item.ready, item.scattered, strict=True):
             # A stream wait on CUDA (the CPU does not block on NCCL), a real wait on gloo.
-            for work in scattered:
-                work.wait()
+            scattered.wait()
             if shard.recv is not shard.grad:
                 shard.grad.copy_(shard.recv)
             if self.stream is not None:

@@ -65,8 +65,9 @@ buckets or a slow link. ``"fused"`` keeps the per-bucket gradient collectives bu
 bucket, then issues every parameter collective back to back (all-gathers coalesced into one NCCL
 group where torch allows): it pays for models of many small tensors whose backward is bound by
 the host, where a step per bucket costs more host time than the overlap saves. ``"auto"`` (the
-default) runs the per-bucket path until DDP has settled its buckets, then times 4 backward
-passes of each path (the first of each dropped; CUDA events, or the wall clock off CUDA), takes
+default) runs the per-bucket path until DDP has settled its buckets, then runs 5 iterations of
+each path in one block per path and times 4 of each, start of backward to start of backward (the
+first of each block dropped; CUDA events, or the wall clock off CUDA), takes
 the slower rank's median per path (an all-reduce, so every rank chooses the same), keeps the
 faster path for good and logs the choice and both times once, on rank 0, at ``INFO`` level of
 the ``dcomm.ddp.zero_overlap`` logger; :func:`step_mode_of` returns it. Every path gives the same

@@ -7,6 +7,7 @@ on the same loss with the same bytes (the same fp32 arithmetic). No timing is as
 
 from __future__ import annotations
 
+import importlib.metadata
 import sys
 from typing import Any
 
@@ -18,22 +19,31 @@ ROUNDS = 2
 WORKLOADS = ("mlp-deep", "transformer")
 
 
-def _run_case(rank: int, world: int, block_torchft: bool) -> list[dict[str, Any]]:
+def _run_case(rank: int, world: int, block_torchft: bool) -> tuple[list[dict[str, Any]], int]:
+    """The case's results on each workload, and how many torchft variants were shut down after."""
     if block_torchft:
         sys.modules["torchft"] = None  # type: ignore[assignment]  # import torchft raises ImportError
     from tools.bench.ab import Policy, run_case
+    from tools.bench.cases import diloco
     from tools.bench.cases.common import Context
-    from tools.bench.cases.diloco import diloco_case
     from tools.bench.timing import Bench
     from tools.bench.workloads import WORKLOADS as ALL_WORKLOADS
 
+    shut_down = diloco._shut_down
+    calls = []
+
+    def counted_shut_down(*args: Any) -> None:
+        calls.append(args)
+        shut_down(*args)
+
+    diloco._shut_down = counted_shut_down
     bench = Bench.create()
     policy = Policy(budget_s=0.0, min_rounds=ROUNDS, max_rounds=ROUNDS)
     results = []
     for workload in WORKLOADS:
         ctx = Context(bench, ALL_WORKLOADS[workload]["small"], "fp32")
-        results.append(run_case(bench, diloco_case(ctx), policy, workload, "-").to_json())
-    return results
+        results.append(run_case(bench, diloco.diloco_case(ctx), policy, workload, "-").to_json())
+    return results, len(calls)
 
 
 def _check_run(run: dict[str, Any], names: set[str]) -> dict[str, dict[str, Any]]:
@@ -62,8 +72,9 @@ def _check_run(run: dict[str, Any], names: set[str]) -> dict[str, dict[str, Any]
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_without_torchft_the_case_runs_dcomm_and_says_why() -> None:
-    results = run_ranks(_run_case, 2, True, timeout=240)
-    for run, other in zip(*results, strict=True):
+    (results, shut_down), (others, _) = run_ranks(_run_case, 2, True, timeout=240)
+    assert shut_down == 0
+    for run, other in zip(results, others, strict=True):
         assert run["details"]["torchft"].startswith("skipped: torchft is not importable"), run["details"]
         assert [(p["a"], p["b"]) for p in run["pairs"]] == [("dcomm diloco", "ddp adamw")]
         details = _check_run(run, {"ddp adamw", "dcomm diloco"})
@@ -75,9 +86,10 @@ def test_without_torchft_the_case_runs_dcomm_and_says_why() -> None:
 @pytest.mark.timeout(300)
 def test_torchft_runs_beside_dcomm_with_the_same_loss_and_bytes() -> None:
     pytest.importorskip("torchft")
-    results = run_ranks(_run_case, 2, False, timeout=240)
-    for run in results[0]:  # the second workload rebuilds torchft's lighthouse and managers
-        assert "torchft" not in run["details"]
+    results, shut_down = run_ranks(_run_case, 2, False, timeout=240)[0]
+    assert shut_down == len(WORKLOADS)  # each workload's lighthouse and managers, once its variant was freed
+    for run in results:  # the second workload rebuilt them
+        assert run["details"]["torchft"] == importlib.metadata.version("torchft")
         assert [(p["a"], p["b"]) for p in run["pairs"]] == [
             ("dcomm diloco", "torchft diloco"),
             ("dcomm diloco", "ddp adamw"),

@@ -11,7 +11,8 @@ torchft runs as across hosts, one replica group of one rank per process: a light
 (``min_replicas`` = the world size) in rank 0's process, a ``Manager`` with its own gloo (NCCL on
 GPUs) process group per rank, its global copy on the parameters' device like dcomm's. Each built
 variant gets a fresh lighthouse and managers, shut down when the variant is freed. Without an
-importable torchft the variant is left out and the case says why (``details["torchft"]``).
+importable torchft the variant is left out and the case says why in ``details["torchft"]``
+(else that is torchft's version).
 
 Each variant reports the bytes each rank sent per inner step, the inner steps it ran (the same for
 all) and the loss afterwards, averaged over the ranks' batches (every variant ends on a sync, so
@@ -31,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import weakref
 from collections.abc import Callable
@@ -81,6 +83,15 @@ def torchft_missing() -> str:
     except Exception as exc:  # ImportError, or a broken install: either way there is no peer to run
         return f"skipped: torchft is not importable ({short_error(exc)}); pip install torchft to compare"
     return ""
+
+
+def _torchft_version() -> str:
+    try:
+        return importlib.metadata.version("torchft")
+    except importlib.metadata.PackageNotFoundError:  # on the path without its metadata
+        import torchft
+
+        return str(getattr(torchft, "__version__", "unknown version"))
 
 
 def _optimizers(model: nn.Module) -> tuple[torch.optim.AdamW, torch.optim.SGD]:
@@ -210,6 +221,7 @@ def diloco_case(ctx: Context) -> Case:
         details["torchft"] = missing
         pairs = [Pair("diloco", "dcomm diloco", "ddp adamw", "dcomm/reference")]
     else:
+        details["torchft"] = _torchft_version()
         variants["torchft diloco"] = lambda: build_torchft(ctx)
         pairs = impl_pairs("diloco", "dcomm diloco", "torchft diloco", "ddp adamw")
     return Case("diloco", variants, pairs, steps_per_round=SYNC_EVERY, warmup_steps=SYNC_EVERY, details=details)

@@ -216,7 +216,7 @@ def diloco_case(ctx: Context) -> Case:
         "dcomm diloco": lambda: build_dcomm(ctx),
     }
     details: dict[str, Any] = {"H": SYNC_EVERY}
-    missing = torchft_missing()
+    missing = ctx.bench.agree(torchft_missing())  # every rank builds the same variants
     if missing:
         details["torchft"] = missing
         pairs = [Pair("diloco", "dcomm diloco", "ddp adamw", "dcomm/reference")]

@@ -15,6 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAINING_CASES = ("ddp", "compression", "post-local-sgd", "zero", "fsdp", "fully_shard")
 EXPECTED_ROWS = {
     "averaging": {"averaging", "averaging/flattened"},
+    "diloco": {"diloco"},
     "ddp": {"ddp/allreduce", "ddp/fp16", "ddp/bf16"},
     "compression": {
         "compression/int8",
@@ -93,7 +94,7 @@ def test_bench_runs_every_case_on_both_kinds_of_small_workload(tmp_path: pathlib
         assert key in result, key
     runs = {(r["case"], r["workload"], r["precision"]): r for r in result["results"]}
     expected = {(case, w, "fp32") for case in TRAINING_CASES for w in workloads}
-    expected |= {("averaging", w, "-") for w in workloads}
+    expected |= {(case, w, "-") for case in ("averaging", "diloco") for w in workloads}
     expected |= {("hook-latency", "-", "-")}
     assert set(runs) == expected
     for key, run in runs.items():
@@ -104,7 +105,7 @@ def test_bench_runs_every_case_on_both_kinds_of_small_workload(tmp_path: pathlib
             _check_variant(f"{key} {name}", variant)
         for pair in run["pairs"]:
             _check_pair(f"{key} {pair['label']} {pair['a']}/{pair['b']}", pair, run["variants"])
-        if run["case"] in ("ddp", "compression", "averaging"):  # dcomm runs all of them on gloo
+        if run["case"] in ("ddp", "compression", "averaging", "diloco"):  # dcomm runs all of them on gloo
             assert _dcomm_errors(run) == {}, key
     # torch's ZeRO overlap refuses gloo: the benchmark reports that and carries on.
     zero = runs[("zero", "transformer", "fp32")]

@@ -16,7 +16,7 @@ from tools.bench.ab import (
     median_ratio_interval,
     steps_per_block,
 )
-from tools.bench.cases import TRAINING_CASES
+from tools.bench.cases import PER_WORKLOAD_CASES, TRAINING_CASES
 from tools.bench.cli import parse_args, planned_runs, policy_of
 from tools.bench.profile import kernel_kind
 from tools.bench.report import table_lines
@@ -101,7 +101,7 @@ def test_plan_runs_each_training_case_on_every_workload_and_precision() -> None:
     averaging = [run for run in runs if run[0] == "averaging"]
     assert averaging == [("averaging", "mlp-deep", "-"), ("averaging", "transformer", "-")]
     assert runs[-1] == ("hook-latency", "-", "-")
-    assert len(runs) == 2 * 2 * len(TRAINING_CASES) + 2 + 1
+    assert len(runs) == 2 * 2 * len(TRAINING_CASES) + 2 * len(PER_WORKLOAD_CASES) + 1
     everything = parse_args(["--workload", "all", "--precision", "all"])
     assert everything.workload == ["mlp-wide", "mlp-deep", "transformer"]
     assert everything.precision == ["fp32", "tf32", "bf16-autocast"]

@@ -11,7 +11,9 @@ Run from the repository root under torchrun, one rank per GPU (NCCL) or CPU proc
 Every training case (``ddp``, ``post-local-sgd``, ``zero``, ``fsdp``, ``fully_shard``) runs on
 every workload (``mlp-wide``, ``mlp-deep``, ``transformer``, see :mod:`tools.bench.workloads`)
 and precision (``fp32``, ``tf32``, ``bf16-autocast``); ``averaging`` averages each workload's
-parameters; ``hook-latency`` times hook calls over many small buckets. Each case builds all its
+parameters; ``diloco`` trains each workload (fp32) with dcomm's ``DiLoCoOptimizer``, torchft's
+``DiLoCo`` (where torchft imports) and DDP, reporting bytes per step and the loss too;
+``hook-latency`` times hook calls over many small buckets. Each case builds all its
 variants once and times them in shuffled rounds (:mod:`tools.bench.ab`); each compared pair is
 reported as the median per-round ratio with a 95% bootstrap interval. Rank 0 prints the table
 and writes the JSON (device, world size, link, torch version, date, every sample);

@@ -1,0 +1,227 @@
+"""DiLoCo: dcomm's ``DiLoCoOptimizer`` against torchft's ``DiLoCo`` (the peer) and DDP, same task.
+
+Every variant trains the workload in fp32 with AdamW (lr 4e-4) on each rank's own batch. The two
+DiLoCo variants sync every ``SYNC_EVERY`` inner steps with an outer SGD (lr 0.7, momentum 0.9,
+Nesterov), plain DiLoCo (one fragment, no delay, no compression); ``ddp adamw`` (the reference)
+allreduces the gradients every step. A round times one period of each, sync included; the warm-up
+is one period too (torchft's first quorum, and its healing of the other replicas from the first
+at step 0, happen there).
+
+torchft runs as across hosts, one replica group of one rank per process: a lighthouse
+(``min_replicas`` = the world size) in rank 0's process, a ``Manager`` with its own gloo (NCCL on
+GPUs) process group per rank, its global copy on the parameters' device like dcomm's. Each built
+variant gets a fresh lighthouse and managers, shut down when the variant is freed. Without an
+importable torchft the variant is left out and the case says why in ``details["torchft"]``
+(else that is torchft's version).
+
+Each variant reports the bytes each rank sent per inner step, the inner steps it ran (the same for
+all) and the loss afterwards, averaged over the ranks' batches (every variant ends on a sync, so
+its replicas are equal). dcomm's bytes are its own counter (``bytes_sent``). torchft has none: the
+case counts the bytes of the tensors handed to its ``Manager.allreduce`` (every parameter's fp32
+pseudo-gradient once per sync; torchft quantizes only on CUDA with triton, and is not asked to)
+at the cost dcomm's counter charges an fp32 allreduce, ``2 (n - 1) / n`` bytes sent per byte; DDP's
+is the same cost for its fp32 gradients every step. torchft's quorum and commit RPCs to the
+lighthouse and the managers are not counted.
+
+Example::
+
+    >>> case = diloco_case(ctx)  # doctest: +SKIP
+    >>> sorted(case.variants)  # doctest: +SKIP
+    ['dcomm diloco', 'ddp adamw', 'torchft diloco']
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import weakref
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tools.bench.ab import Case, Pair, Variant
+from tools.bench.cases.common import Context, impl_pairs, train_step
+from tools.launch import short_error
+
+__all__ = ["SYNC_EVERY", "allreduce_bytes_sent", "diloco_case", "torchft_missing"]
+
+SYNC_EVERY = 8
+"""Inner steps per sync (DiLoCo's H), the same for dcomm and torchft; one round holds one period."""
+
+INNER_LR = 4e-4
+OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+TORCHFT_TIMEOUT = timedelta(seconds=60)
+"""torchft's quorum, connect and collective timeout: a rank that failed to build fails the others' warm-up."""
+
+
+def allreduce_bytes_sent(nbytes: int, world: int) -> int:
+    """Bytes each rank sends in an allreduce of ``nbytes`` (ring: ``2 (n - 1) / n`` of them), as dcomm counts.
+
+    Example::
+
+        >>> allreduce_bytes_sent(1000, 4)
+        1500
+    """
+    return 2 * (world - 1) * nbytes // world
+
+
+def torchft_missing() -> str:
+    """Why torchft cannot be used here ('' when it imports).
+
+    Example::
+
+        >>> torchft_missing()  # doctest: +SKIP
+        "skipped: torchft is not importable (No module named 'torchft'); pip install torchft to compare"
+    """
+    os.environ.setdefault("RUST_LOG", "warn")  # its lighthouse and managers log every quorum at info
+    try:
+        import torchft  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install: either way there is no peer to run
+        return f"skipped: torchft is not importable ({short_error(exc)}); pip install torchft to compare"
+    return ""
+
+
+def _torchft_version() -> str:
+    try:
+        return importlib.metadata.version("torchft")
+    except importlib.metadata.PackageNotFoundError:  # on the path without its metadata
+        import torchft
+
+        return str(getattr(torchft, "__version__", "unknown version"))
+
+
+def _optimizers(model: nn.Module) -> tuple[torch.optim.AdamW, torch.optim.SGD]:
+    return torch.optim.AdamW(model.parameters(), lr=INNER_LR), torch.optim.SGD(model.parameters(), **OUTER)
+
+
+def _inner_steps(inner: torch.optim.Optimizer) -> int:
+    """Steps ``inner`` (AdamW) has taken: its per-parameter step count."""
+    return int(inner.state[inner.param_groups[0]["params"][0]]["step"])
+
+
+def _report(ctx: Context, model: nn.Module, inner: torch.optim.Optimizer, bytes_sent: Callable[[], int]) -> Any:
+    """The variant's details: bytes per inner step, inner steps, and the loss now over all ranks' batches.
+
+    Every rank calls it for the same variants in the same order (the loss is averaged over the
+    bench's side group).
+    """
+    batch = ctx.workload.make_batch(ctx.device)
+
+    def details() -> dict[str, Any]:
+        steps = _inner_steps(inner)
+        with torch.no_grad():
+            loss = ctx.workload.loss(model, batch).detach().to(torch.float64).reshape(1).cpu()
+        dist.all_reduce(loss, group=ctx.bench.side_group)
+        mean = float(f"{loss.item() / ctx.world:.6g}")
+        return {"bytes/inner step": bytes_sent() // steps, "inner steps": steps, "loss": mean}
+
+    return details
+
+
+def build_ddp_adamw(ctx: Context) -> Variant:
+    """DDP with AdamW: an fp32 gradient allreduce every step (the reference)."""
+    ddp = ctx.ddp(ctx.model())
+    inner = torch.optim.AdamW(ddp.parameters(), lr=INNER_LR)
+    per_step = allreduce_bytes_sent(sum(p.numel() * p.element_size() for p in ddp.parameters()), ctx.world)
+    details = _report(ctx, ddp.module, inner, lambda: per_step * _inner_steps(inner))
+    return Variant(train_step(ctx, ddp, inner), details=details)
+
+
+def build_dcomm(ctx: Context) -> Variant:
+    """dcomm's ``DiLoCoOptimizer`` over WORLD."""
+    from dcomm.averaging import DiLoCoOptimizer
+
+    model = ctx.model()
+    inner, outer = _optimizers(model)
+    opt = DiLoCoOptimizer(inner, outer, sync_every=SYNC_EVERY)
+    return Variant(train_step(ctx, model, opt), details=_report(ctx, model, inner, lambda: opt.bytes_sent))
+
+
+def _start_lighthouse(ctx: Context) -> tuple[Any, str]:
+    """Rank 0 starts a lighthouse for all ranks; every rank gets its address (or rank 0's error)."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse, message = None, ""
+    if ctx.bench.rank == 0:
+        try:
+            lighthouse = LighthouseServer(bind="[::]:0", min_replicas=ctx.world)
+            message = lighthouse.address()
+        except Exception as exc:  # sent to the other ranks, which would otherwise wait for an address
+            message = f"error: {short_error(exc)}"
+    box = [message]
+    dist.broadcast_object_list(box, src=0, group=ctx.bench.side_group)
+    if box[0].startswith("error: "):
+        raise RuntimeError(f"torchft's LighthouseServer failed on rank 0: {box[0]}")
+    return lighthouse, box[0]
+
+
+def _shut_down(manager: Any, lighthouse: Any, store: dist.TCPStore) -> None:
+    """Stop this rank's torchft manager, then (rank 0) the lighthouse; ``store`` lives until then.
+
+    ``wait=True``: torchft's non-blocking shutdown leaves its checkpoint server's thread running.
+    """
+    del store
+    manager.shutdown(wait=True)
+    if lighthouse is not None:
+        lighthouse.shutdown()
+
+
+def build_torchft(ctx: Context) -> Variant:
+    """torchft's ``DiLoCo``: this rank is a replica group of one, meeting the others at rank 0's lighthouse."""
+    from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+    from torchft.local_sgd import DiLoCo
+
+    lighthouse, address = _start_lighthouse(ctx)
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    process_group = ProcessGroupNCCL if ctx.bench.is_cuda else ProcessGroupGloo
+    timeouts = {key: TORCHFT_TIMEOUT for key in ("timeout", "quorum_timeout", "connect_timeout")}
+    manager = Manager(
+        pg=process_group(timeout=TORCHFT_TIMEOUT),
+        min_replica_size=ctx.world,
+        use_async_quorum=False,  # DiLoCo requires it
+        load_state_dict=None,
+        state_dict=None,
+        replica_id=f"bench{ctx.bench.rank}",
+        store_addr="localhost",
+        store_port=store.port,
+        rank=0,  # a replica group of one rank
+        world_size=1,
+        lighthouse_addr=address,
+        **timeouts,
+    )
+    handed = [0]
+    allreduce = manager.allreduce
+
+    def counted_allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        handed[0] += tensor.numel() * tensor.element_size()
+        return allreduce(tensor, *args, **kwargs)
+
+    manager.allreduce = counted_allreduce
+    model = ctx.model()
+    inner, outer = _optimizers(model)
+    diloco = DiLoCo(manager, [model], inner, outer, sync_every=SYNC_EVERY, backup_device=ctx.device)
+    diloco.__enter__()  # its hooks on inner.step run the syncs; they go with inner
+    step = train_step(ctx, model, inner)
+    weakref.finalize(step, _shut_down, manager, lighthouse, store)
+    return Variant(step, details=_report(ctx, model, inner, lambda: allreduce_bytes_sent(handed[0], ctx.world)))
+
+
+def diloco_case(ctx: Context) -> Case:
+    variants: dict[str, Callable[[], Variant]] = {
+        "ddp adamw": lambda: build_ddp_adamw(ctx),
+        "dcomm diloco": lambda: build_dcomm(ctx),
+    }
+    details: dict[str, Any] = {"H": SYNC_EVERY}
+    missing = ctx.bench.agree(torchft_missing())  # every rank builds the same variants
+    if missing:
+        details["torchft"] = missing
+        pairs = [Pair("diloco", "dcomm diloco", "ddp adamw", "dcomm/reference")]
+    else:
+        details["torchft"] = _torchft_version()
+        variants["torchft diloco"] = lambda: build_torchft(ctx)
+        pairs = impl_pairs("diloco", "dcomm diloco", "torchft diloco", "ddp adamw")
+    return Case("diloco", variants, pairs, steps_per_round=SYNC_EVERY, warmup_steps=SYNC_EVERY, details=details)

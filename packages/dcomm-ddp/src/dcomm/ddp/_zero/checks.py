@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -197,10 +198,15 @@ def check_state(state: object, zero: ZeroRedundancyOptimizer) -> None:
 
 
 def first_call_checks(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer, name: str) -> Callable[[Any], None]:
-    """What can only be checked when DDP first calls the hook with its ``state``."""
+    """What can only be checked when DDP first calls the hook with its ``state``.
+
+    ``ddp`` is held weakly: the hook that keeps these checks is itself held by DDP's reducer.
+    """
+    ddp_ref = weakref.ref(ddp)
 
     def checks(state: Any) -> None:
-        if private.has_rebuilt_buckets(ddp):
+        ddp = ddp_ref()
+        if ddp is not None and private.has_rebuilt_buckets(ddp):
             raise RuntimeError(
                 f"{name}: the hook was registered after training started (DDP has already "
                 "rebuilt its buckets); register it right after building it, before the first "

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -107,7 +108,9 @@ class Driver:
 
     def __init__(self, setup: Setup, shard_buckets: bool) -> None:
         self.hook = setup.hook
-        self.ddp = setup.ddp
+        # Weak: DDP's C++ reducer holds this hook, and Python's garbage collector cannot see that
+        # reference, so a strong one back to DDP would keep the model, DDP and ZeRO alive forever.
+        self._ddp = weakref.ref(setup.ddp)
         self.zero = zero = setup.zero
         self.group: dist.ProcessGroup = zero.process_group
         self.rank: int = zero.rank
@@ -127,6 +130,13 @@ class Driver:
         private.clear_cache(zero)
         owners = partition(setup.buckets, self.world, shard_buckets)
         self.local_groups = private.partition_parameters(zero, owners)[self.rank]
+
+    @property
+    def ddp(self) -> DistributedDataParallel:
+        ddp = self._ddp()
+        if ddp is None:
+            raise RuntimeError("hook: its DistributedDataParallel was deleted; build a new hook for the new model")
+        return ddp
 
     # -- what subclasses define -------------------------------------------------------------------
 

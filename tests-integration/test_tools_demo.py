@@ -21,8 +21,8 @@ sys.path.insert(0, str(ROOT))
 
 from tools.demo_lm.comm_bytes import CommCounter  # noqa: E402
 from tools.demo_lm.config import CONFIGS  # noqa: E402
-from tools.demo_lm.report import verdict  # noqa: E402
-from tools.demo_lm.runs import BASELINE  # noqa: E402
+from tools.demo_lm.report import COMPRESSION_CHART, convergence_goal, verdict, write_report  # noqa: E402
+from tools.demo_lm.runs import BASELINE, CONVERGENCE_GOAL  # noqa: E402
 from tools.demo_lm.train import RunResult  # noqa: E402
 
 
@@ -104,6 +104,65 @@ def test_verdict_fails_dcomm_runs_that_fail_stall_or_end_above_torch() -> None:
     assert verdict([_result("dcomm", [], skipped="not installed"), _result("torch", [], error="x")], 0.01) == []
 
 
+INT8, FP8, POWERSGD = CONVERGENCE_GOAL
+
+
+def test_verdict_holds_int8_and_fp8_to_fp32_ddp_and_powersgd_to_torch() -> None:
+    baseline = _result("torch", [5.0, 2.00], algorithm=BASELINE)
+    for hook in (INT8, FP8):  # torch has no such hook: fp32 DDP is the reference
+        assert verdict([baseline, _result("dcomm", [5.0, 2.019], algorithm=hook)], tolerance=0.01) == []
+        (above,) = verdict([baseline, _result("dcomm", [5.0, 2.021], algorithm=hook)], tolerance=0.01)
+        assert above == f"{hook} [dcomm]: final validation loss 2.0210 is more than 1% above fp32 DDP's 2.0000"
+        # No baseline run (it failed): nothing to compare with.
+        assert verdict([_result("dcomm", [5.0, 2.5], algorithm=hook)], tolerance=0.01) == []
+    # PowerSGD 3% above fp32 DDP like torch's PowerSGD: the algorithm's gap, not a dcomm failure;
+    # 2% above torch's: a failure, named against torch.
+    torch_powersgd = _result("torch", [5.0, 2.06], algorithm=POWERSGD)
+    assert verdict([baseline, _result("dcomm", [5.0, 2.06], algorithm=POWERSGD), torch_powersgd], 0.01) == []
+    (above,) = verdict([baseline, _result("dcomm", [5.0, 2.10], algorithm=POWERSGD), torch_powersgd], 0.01)
+    assert "more than 1% above torch's 2.0600" in above
+    # Runs outside the goal and without a torch counterpart (DiLoCo) are not held to fp32 DDP.
+    assert verdict([baseline, _result("dcomm", [5.0, 2.5], algorithm="DiLoCo")], tolerance=0.01) == []
+
+
+def test_convergence_goal_compares_each_compression_run_with_fp32_ddp() -> None:
+    results = [
+        _result("torch", [5.0, 2.00], algorithm=BASELINE),
+        _result("dcomm", [5.0, 2.015], algorithm=INT8),
+        _result("dcomm", [5.0, 2.03], algorithm=FP8),
+        _result("dcomm", [], algorithm=POWERSGD, skipped="not installed"),
+        _result("torch", [5.0, 2.038], algorithm=POWERSGD),
+        _result("dcomm", [5.0, 2.5], algorithm="DiLoCo"),
+    ]
+    assert convergence_goal(results, tolerance=0.02) == [
+        f"{INT8} [dcomm]: 2.0150, +0.75% vs fp32 DDP's 2.0000 at step 1: met",
+        f"{FP8} [dcomm]: 2.0300, +1.50% vs fp32 DDP's 2.0000 at step 1: met",
+        f"{POWERSGD} [torch]: 2.0380, +1.90% vs fp32 DDP's 2.0000 at step 1: met",
+    ]
+    verdicts = [line.rsplit(": ", 1)[1] for line in convergence_goal(results, tolerance=0.01)]
+    assert verdicts == ["met", "missed", "missed"]
+    assert convergence_goal(results[1:], tolerance=0.01) == []  # no baseline
+
+
+def test_report_charts_the_compression_runs_against_fp32_ddp(tmp_path: pathlib.Path) -> None:
+    losses = {BASELINE: [5.0, 3.0, 2.0], INT8: [5.0, 3.01, 2.01], POWERSGD: [5.0, 3.2, 2.05]}
+    results = [_result("dcomm", curve, algorithm=name) for name, curve in losses.items()]
+    results[0].impl = "torch"
+    for r in results:
+        r.bytes_sent = [0.0, 1e6, 2e6]
+    report = write_report(tmp_path / "goal", results, {"torch": torch.__version__}, tolerance=0.01).read_text()
+    assert (tmp_path / "goal" / COMPRESSION_CHART).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"]({COMPRESSION_CHART})" in report
+    assert "## Compression against fp32 DDP" in report
+    assert f"- {POWERSGD} [dcomm]: 2.0500, +2.50% vs fp32 DDP's 2.0000 at step 2: missed" in report
+    record = json.loads((tmp_path / "goal" / "results.json").read_text())
+    assert record["convergence_goal"] == convergence_goal(results, 0.01)
+    # Without a compression run: neither the chart nor the section.
+    report = write_report(tmp_path / "none", results[:1], {}, tolerance=0.01).read_text()
+    assert not (tmp_path / "none" / COMPRESSION_CHART).exists()
+    assert "Compression against" not in report
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=NCCL)])
@@ -116,9 +175,10 @@ def test_demo_short_configuration_writes_the_report_and_every_loss_falls(backend
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280, check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "0 dcomm failures" in proc.stdout
+    assert "Compression with error feedback vs fp32 DDP at equal steps" in proc.stdout
 
     report = (out / "report.md").read_text()
-    for chart in ("loss_vs_step.png", "loss_vs_bytes.png", "loss_vs_time.png"):
+    for chart in ("loss_vs_step.png", "loss_vs_bytes.png", "loss_vs_time.png", COMPRESSION_CHART):
         assert (out / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", chart
         assert f"]({chart})" in report, chart
     assert torch.__version__ in report

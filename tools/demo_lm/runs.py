@@ -33,7 +33,7 @@ from tools.impls import resolve as shared_resolve
 from .config import Config
 from .model import TinyGPT, next_byte_loss
 
-__all__ = ["ALGORITHMS", "BASELINE", "Context", "Trainee", "Unavailable"]
+__all__ = ["ALGORITHMS", "BASELINE", "CONVERGENCE_GOAL", "Context", "Trainee", "Unavailable"]
 
 
 class Unavailable(Exception):
@@ -158,7 +158,11 @@ def ddp_hook(hook: str, state: Callable[[str, Context], Any] | None = None) -> d
 
 
 def powersgd_state(impl: str, ctx: Context) -> Any:
-    """Rank-4 PowerSGD with error feedback after ``powersgd_start`` steps of plain allreduce."""
+    """Rank-4 PowerSGD with error feedback after ``powersgd_start`` steps of plain allreduce.
+
+    torch's defaults otherwise (warm start on, no orthogonalisation epsilon); dcomm's run and
+    torch's get the same settings.
+    """
     return resolve(impl, "PowerSGDState")(
         process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=ctx.config.powersgd_start
     )
@@ -300,3 +304,7 @@ ALGORITHMS: dict[str, dict[str, Builder]] = {
     "DiLoCo int8": {"dcomm": diloco("int8")},
 }
 """Every run of the demo, in the order it runs: algorithm -> implementation -> builder."""
+
+CONVERGENCE_GOAL = ("DDP int8_compress_hook", "DDP fp8_compress_hook", "DDP powerSGD_hook (rank 4)")
+"""Compressed runs that should end within the tolerance of the baseline's validation loss at
+equal steps (with error feedback): the report compares them with fp32 DDP and charts them."""

@@ -274,19 +274,29 @@ def _recipe_checks(rank: int, world: int) -> None:
     """A call's checks and path decisions are reused only while the same parameters keep their storage."""
     everyone = list(range(world))
     prepared: list[int] = []
-    real = impl._prepare
+    densified: list[int] = []
+    real, real_dense = impl._prepare, impl._dense
 
     def counting(*args: Any) -> Any:
         prepared.append(1)
         return real(*args)
 
+    def counting_dense(param: torch.Tensor) -> torch.Tensor:
+        densified.append(id(param))
+        return real_dense(param)
+
     impl._prepare = counting  # type: ignore[assignment]
+    impl._dense = counting_dense  # type: ignore[assignment]
     try:
         for path in (True, False):  # in place (forced) and the buckets
             params = make_params(rank, SPECS, seed=31)
             paths = impl._Paths(in_place=path)
             prepared.clear()
-            for _ in range(3):
+            densified.clear()
+            impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, paths)
+            expected = sorted(id(p) for p in params if p.numel())  # an empty parameter is skipped
+            assert sorted(densified) == expected, "a dense view was made twice, or never"
+            for _ in range(2):
                 impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, paths)
             assert len(prepared) == 1, "the same parameters were prepared again"
             assert_averaged(params, exact_mean(everyone, SPECS, seed=31))
@@ -307,7 +317,7 @@ def _recipe_checks(rank: int, world: int) -> None:
             with pytest.raises(ValueError, match="complex"):
                 average_parameters(bad, None)
     finally:
-        impl._prepare = real  # type: ignore[assignment]
+        impl._prepare, impl._dense = real, real_dense  # type: ignore[assignment]
 
 
 def test_recipe_reused_while_parameters_keep_their_storage() -> None:

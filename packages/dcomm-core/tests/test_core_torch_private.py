@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from dcomm.core import foreach_copy_, foreach_div_
 from dcomm.core._torch_private import PRIVATE_MEMBERS
 from dcomm.core.torch_private import PrivateMember, TorchChanged, missing_members, private_member
 
@@ -15,6 +16,26 @@ from dcomm.core.torch_private import PrivateMember, TorchChanged, missing_member
 def test_every_private_member_exists() -> None:
     assert PRIVATE_MEMBERS
     assert missing_members(PRIVATE_MEMBERS) == [], f"torch {torch.__version__}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_foreach_div_and_copy_match_one_tensor_at_a_time(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    sources = [torch.randn(shape, generator=gen).to(dtype) for shape in [(5,), (2, 3), (1,)]]
+    divisor = 3.0
+    expected = [s / divisor for s in sources]
+    targets = [torch.zeros_like(s) for s in sources]
+    foreach_copy_(targets, sources)
+    assert all(torch.equal(t, s) for t, s in zip(targets, sources, strict=True))
+    foreach_div_(targets, divisor)
+    assert all(torch.equal(t, e) for t, e in zip(targets, expected, strict=True))
+    assert all(not torch.equal(t, s) for t, s in zip(targets, sources, strict=True)), "sources were changed"
+
+
+def test_a_missing_foreach_kernel_raises_torch_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(torch, "_foreach_div_")
+    with pytest.raises(TorchChanged, match=r"the in-place division of many tensors.*torch\._foreach_div_ is gone"):
+        foreach_div_([torch.ones(2)], 2.0)
 
 
 def test_a_missing_member_names_torch_the_member_and_the_supported_range() -> None:

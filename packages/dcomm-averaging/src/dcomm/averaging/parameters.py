@@ -39,8 +39,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from dcomm.averaging._torch_private import foreach_copy_, foreach_div_
-from dcomm.core import plan_average, reduced_by_nccl, resolve_group, start_allreduce
+from dcomm.core import foreach_copy_, foreach_div_, plan_average, reduced_by_nccl, resolve_group, start_allreduce
 from dcomm.core.validation import positive_number
 
 __all__ = [
@@ -416,27 +415,41 @@ def _call_key(params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Path
 
 def _prepare(
     params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Paths, key: tuple[Any, ...] | None
-) -> _Recipe:
-    """Check every parameter and decide each device's path (raises before any collective)."""
+) -> tuple[_Recipe, dict[torch.device, list[list[torch.Tensor]]]]:
+    """Check every parameter and decide each device's path (raises before any collective).
+
+    Also returns the dense views it made of the in-place devices' parameters, for this call only
+    (the recipe, which is kept, holds indices).
+    """
     by_device, integers = _by_device(params, group)
     devices = []
+    dense: dict[torch.device, list[list[torch.Tensor]]] = {}
     for device, groups in by_device.items():
         runs = None
         in_place = reduced_by_nccl(group, device) if paths.in_place is None else paths.in_place
         if in_place:
-            tensors = [[_dense(params[i]) for i in indices] for indices in groups]
+            tensors = dense[device] = [[_dense(params[i]) for i in indices] for indices in groups]
             spans = [[(t.data_ptr(), t.nbytes) for t in ts] for ts in tensors]
             if not _overlap([span for group_spans in spans for span in group_spans]):
                 runs = [_adjacent_runs(ts, sp) for ts, sp in zip(tensors, spans, strict=True)]
         devices.append(_DeviceRecipe(device, groups, runs))
-    return _Recipe(key, devices, integers)
+    return _Recipe(key, devices, integers), dense
 
 
 def _average_on_device(
-    recipe: _DeviceRecipe, params: list[torch.Tensor], group: dist.ProcessGroup, cap_bytes: float, paths: _Paths
+    recipe: _DeviceRecipe,
+    params: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    cap_bytes: float,
+    paths: _Paths,
+    groups: list[list[torch.Tensor]] | None = None,
 ) -> None:
-    """Average one device's parameters (one list per dtype) in place, or else through buckets."""
-    groups = [[_dense(params[i]) for i in indices] for indices in recipe.groups]
+    """Average one device's parameters (one list per dtype) in place, or else through buckets.
+
+    ``groups``: their dense views when :func:`_prepare` has just made them, else None.
+    """
+    if groups is None:
+        groups = [[_dense(params[i]) for i in indices] for indices in recipe.groups]
     if recipe.runs is not None:
         for tensors, runs in zip(groups, recipe.runs, strict=True):
             merged = _merged(tensors, runs)
@@ -475,13 +488,14 @@ def _average_parameters(
     params = list(params)
     key = _call_key(params, group, paths)
     recipe = _LAST_RECIPE.get(id(group))
+    dense: dict[torch.device, list[list[torch.Tensor]]] = {}
     if recipe is None or key is None or recipe.key != key:
-        recipe = _prepare(params, group, paths, key)
+        recipe, dense = _prepare(params, group, paths, key)
         if key is not None:
             _LAST_RECIPE[id(group)] = recipe
     with torch.no_grad():
         for device_recipe in recipe.devices:
-            _average_on_device(device_recipe, params, group, cap_bytes, paths)
+            _average_on_device(device_recipe, params, group, cap_bytes, paths, dense.get(device_recipe.device))
         if recipe.integers:
             _average_integers([params[i].detach() for i in recipe.integers], group)
 

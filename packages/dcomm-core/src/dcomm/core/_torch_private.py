@@ -1,24 +1,59 @@
 """Every private torch member dcomm-core reads, and the accessors that read them.
 
+The other dcomm packages use the many-tensor kernels through :func:`dcomm.core.foreach_div_` and
+:func:`dcomm.core.foreach_copy_`, so each member is listed and read once.
+
 Example::
 
     >>> premul = make_nccl_premul_sum(0.25)  # doctest: +SKIP
+    >>> foreach_div_([torch.ones(2)], 2.0)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from dcomm.core.torch_private import PrivateMember, private_member
 
-PRIVATE_MEMBERS = [
-    PrivateMember(lambda: dist, "_make_nccl_premul_sum", "NCCL's pre-multiplied sum (fp16 averaging on NCCL)"),
-]
+_PREMUL_SUM = PrivateMember(lambda: dist, "_make_nccl_premul_sum", "NCCL's pre-multiplied sum (fp16 averaging on NCCL)")
+_FOREACH_DIV = PrivateMember(lambda: torch, "_foreach_div_", "the in-place division of many tensors in one kernel")
+_FOREACH_COPY = PrivateMember(lambda: torch, "_foreach_copy_", "the copy of many tensors in one kernel")
+PRIVATE_MEMBERS = [_PREMUL_SUM, _FOREACH_DIV, _FOREACH_COPY]
+
+
+def _read(member: PrivateMember) -> Any:
+    return private_member(member.owner(), member.name, distribution="dcomm-core", what=member.what)
 
 
 def make_nccl_premul_sum(factor: float) -> Any:
     """NCCL's ``SUM`` of the inputs multiplied by ``factor`` (a reduce op; NCCL only)."""
-    member = PRIVATE_MEMBERS[0]
-    return private_member(dist, member.name, distribution="dcomm-core", what=member.what)(factor)
+    return _read(_PREMUL_SUM)(factor)
+
+
+def foreach_div_(tensors: list[torch.Tensor], divisor: float) -> None:
+    """Divide every tensor in ``tensors`` by ``divisor`` in place (one kernel per device and dtype).
+
+    Example::
+
+        >>> tensors = [torch.full((2,), 6.0), torch.full((1,), 9.0)]
+        >>> foreach_div_(tensors, 3.0)
+        >>> tensors
+        [tensor([2., 2.]), tensor([3.])]
+    """
+    _read(_FOREACH_DIV)(tensors, divisor)
+
+
+def foreach_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy each tensor of ``sources`` into the tensor of ``targets`` at its index (one kernel per device and dtype).
+
+    Example::
+
+        >>> targets = [torch.zeros(2)]
+        >>> foreach_copy_(targets, [torch.ones(2)])
+        >>> targets
+        [tensor([1., 1.])]
+    """
+    _read(_FOREACH_COPY)(targets, sources)

@@ -4,7 +4,8 @@ The ZeRO overlap hooks need internals of ``ZeroRedundancyOptimizer`` and of DDP'
 torch does not publish. Each is read here and nowhere else, so a grep finds them all, and a torch
 release that renames one fails loudly with a ``RuntimeError`` naming the member, instead of
 silently switching a check off. :func:`missing_members` lists what the running torch lacks; the
-unit tests assert it is empty on every torch in the CI matrix.
+unit tests assert it is empty on every torch in the CI matrix. The many-tensor kernels
+(``torch._foreach_*``) are read once for every package, in dcomm-core (:func:`dcomm.core.foreach_div_`).
 
 Example::
 
@@ -109,21 +110,6 @@ def functional_optimizers() -> dict[type[torch.optim.Optimizer], Any]:
 def coalescing_manager() -> Callable[..., Any] | None:
     """``torch.distributed._coalescing_manager``, or None where this torch lacks it (launch one by one)."""
     return getattr(dist, "_coalescing_manager", None)
-
-
-def foreach_copy() -> Callable[..., Any] | None:
-    """``torch._foreach_copy_`` (one launch copies many tensors), or None where this torch lacks it."""
-    return getattr(torch, "_foreach_copy_", None)
-
-
-def foreach_div_(tensors: list[torch.Tensor], divisor: float) -> None:
-    """Divide every tensor in place: ``torch._foreach_div_`` (one launch), or one division each."""
-    divide = getattr(torch, "_foreach_div_", None)
-    if divide is None:
-        for tensor in tensors:
-            tensor.div_(divisor)
-        return
-    divide(tensors, divisor)
 
 
 # -- DistributedDataParallel ---------------------------------------------------------------------

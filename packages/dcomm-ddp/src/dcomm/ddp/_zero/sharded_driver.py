@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import dcomm.ddp._torch_private as private
-from dcomm.core import completed_future, start_reduce_scatter, warn_once
+from dcomm.core import completed_future, foreach_copy_, foreach_div_, start_reduce_scatter, warn_once
 from dcomm.ddp._zero import checkpoint
 from dcomm.ddp._zero.driver import Driver, Setup, all_gather, all_gathers, optimizer_class
 from dcomm.ddp._zero.layout import Shard, pack_shards
@@ -179,10 +179,9 @@ class ShardedDriver(Driver):
             # Views into DDP's persistent bucket buffer: keeping them holds no extra memory.
             piece.views = (address, sources, targets)
         _, sources, targets = piece.views
-        copy = private.foreach_copy()
-        if copy is not None and buffer.dtype == send.dtype:
-            copy(targets, sources)  # then the division in place: the same values as torch.div
-            private.foreach_div_(targets, self.world)
+        if buffer.dtype == send.dtype:
+            foreach_copy_(targets, sources)  # then the division in place: the same values as torch.div
+            foreach_div_(targets, self.world)
         else:
             for source, target in zip(sources, targets, strict=True):
                 torch.div(source, self.world, out=target)  # divide before the cast, as the hooks do

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from dcomm.fsdp import QuantizedReduceScatter, use_quantized_reduction
 from dcomm_testing import quantization_half_step, run_ranks, seeded_mlp, seeded_pair, spread_normal
@@ -88,10 +88,15 @@ def test_fully_shard_gradients_close_to_exact_mean(world: int) -> None:
     run_ranks(_fully_shard, world, timeout=TIMEOUT)
 
 
-def test_bad_arguments() -> None:
+def test_bad_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="dtype: expected one of"):
         QuantizedReduceScatter("int2")
     with pytest.raises(ValueError, match="block_size"):
         QuantizedReduceScatter("int8", block_size=7)
     with pytest.raises(ValueError, match="no fully_shard module"):
+        use_quantized_reduction(nn.Linear(2, 2), "int8")
+    monkeypatch.delattr(FSDPModule, "set_force_sum_reduction_for_comms")
+    with pytest.raises(
+        RuntimeError, match=r"^use_quantized_reduction needs FSDPModule.set_force_sum_reduction_for_comms"
+    ):
         use_quantized_reduction(nn.Linear(2, 2), "int8")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,6 +43,7 @@ from dcomm.core import (
     warn_once,
 )
 from dcomm.core.torch_private import TorchChanged
+from dcomm.fsdp._custom_reduce_scatter import AveragingReduceScatter, check_sizes, install_reduce_scatter
 from dcomm.fsdp._torch_private import (
     fsdp_param_groups,
     mp_policy,
@@ -54,25 +54,6 @@ from dcomm.fsdp._torch_private import (
 
 __all__ = ["LowPrecisionReduceScatter", "low_precision_mp_policy", "use_low_precision_reduction"]
 
-# The FSDPModule methods this needs; all exist in every torch that dcomm-fsdp supports (>= 2.11).
-_REQUIRED_METHODS = ("set_custom_reduce_scatter", "set_gradient_divide_factor", "set_force_sum_reduction_for_comms")
-_MIN_TORCH = "2.11"
-
-
-class _CompletedWork:
-    """What ``async_op=True`` returns: the work already finished on the current stream."""
-
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(None)
-        return fut
-
 
 def _check_dtype(dtype: torch.dtype) -> None:
     if dtype not in LOW_PRECISION_DTYPES:
@@ -82,7 +63,7 @@ def _check_dtype(dtype: torch.dtype) -> None:
         )
 
 
-class LowPrecisionReduceScatter:
+class LowPrecisionReduceScatter(AveragingReduceScatter):
     """A custom FSDP2 reduce-scatter that communicates in ``dtype`` and averages with pre/post divide.
 
     FSDP2 calls it as ``comm(output_tensor, input_tensor, group, op)`` on its reduce-scatter
@@ -90,10 +71,10 @@ class LowPrecisionReduceScatter:
 
     Fast path, taken when FSDP2's reduce dtype is ``dtype`` (what :func:`use_low_precision_reduction`
     arranges): the input and output buffers already are ``dtype``, so nothing is cast or
-    allocated. The input is divided in place by the pre-divide factor of ``group``'s size, summed
-    into ``output_tensor`` with a ``SUM`` reduce-scatter, and the shard divided in place by the
-    post-divide factor; FSDP2 casts it back to the parameter dtype. Two cases need no separate pass
-    over the input:
+    allocated. The input (FSDP2's scratch buffer) is divided in place by the pre-divide factor of
+    ``group``'s size, summed into ``output_tensor`` with a ``SUM`` reduce-scatter, and the shard
+    divided in place by the post-divide factor; FSDP2 casts it back to the parameter dtype. Two
+    cases need no separate pass over the input:
 
     - fp16 on NCCL: the pre-divide is NCCL's pre-multiplied sum by ``1 / pre`` (a power of two, so
       the product is exact and equal to the division).
@@ -117,6 +98,7 @@ class LowPrecisionReduceScatter:
     """
 
     __slots__ = ("_plans", "dtype", "fallbacks")
+    installer = "use_low_precision_reduction"
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
         _check_dtype(dtype)
@@ -126,16 +108,6 @@ class LowPrecisionReduceScatter:
 
     def __repr__(self) -> str:
         return f"LowPrecisionReduceScatter(dtype={self.dtype})"
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Allocate FSDP2's reduce-scatter input/output buffer (plain caching allocator).
-
-        Example::
-
-            >>> LowPrecisionReduceScatter().allocate((4,), dtype=torch.float32, device=torch.device("cpu")).shape
-            torch.Size([4])
-        """
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def _plan(
         self, group: dist.ProcessGroup, input_tensor: torch.Tensor, output_tensor: torch.Tensor
@@ -156,41 +128,19 @@ class LowPrecisionReduceScatter:
             return world, None, fallback
         return world, plan_average(group, self.dtype, input_tensor.device), fallback
 
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: Any = dist.ReduceOp.SUM,
-        async_op: bool = False,
-    ) -> _CompletedWork | None:
-        """Reduce-scatter the average of ``input_tensor`` over ``group`` into ``output_tensor``.
-
-        ``input_tensor`` is FSDP2's scratch buffer: on the fast path it is divided in place.
-
-        Example::
-
-            >>> LowPrecisionReduceScatter(torch.float16)(shard, flat_grad, dist.group.WORLD)  # doctest: +SKIP
-        """
-        if op != dist.ReduceOp.SUM:
-            raise ValueError(
-                f"op: LowPrecisionReduceScatter divides by itself and needs ReduceOp.SUM, got {op}; "
-                "install it with dcomm.fsdp.use_low_precision_reduction(module), which turns off "
-                "FSDP's own averaging, instead of set_custom_reduce_scatter alone"
-            )
+    def _reduce_scatter(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
+    ) -> None:
+        """The fast path where the buffers are ``self.dtype``, else the cast fallback (see the class)."""
         key = (group, input_tensor.device.type, input_tensor.dtype, output_tensor.dtype)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(group, input_tensor, output_tensor)
         world, fast, fallback = plan
-        if input_tensor.numel() != output_tensor.numel() * world:
-            raise ValueError(
-                f"input_tensor: expected {output_tensor.numel() * world} elements (output numel "
-                f"{output_tensor.numel()} x group size {world}), got {input_tensor.numel()}"
-            )
+        check_sizes(output_tensor, input_tensor, world)
         if fast is not None:  # the fast path: FSDP2 already converted the input to self.dtype
             average_sync(input_tensor, group, fast, output=output_tensor)
-            return _CompletedWork() if async_op else None
+            return
         self.fallbacks += 1
         warn_once(
             ("LowPrecisionReduceScatter", self.dtype, input_tensor.dtype),
@@ -205,7 +155,6 @@ class LowPrecisionReduceScatter:
         copy_back(output_tensor, low_output, fallback.post)
         keep_until_stream_done(low_input)
         keep_until_stream_done(low_output)
-        return _CompletedWork() if async_op else None
 
 
 def low_precision_mp_policy(
@@ -236,58 +185,6 @@ def low_precision_mp_policy(
         output_dtype=output_dtype,
         cast_forward_inputs=cast_forward_inputs,
     )
-
-
-def _fsdp_module_class() -> type:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError as exc:  # pragma: no cover - torch < 2.6
-        raise RuntimeError(
-            f"use_low_precision_reduction needs torch.distributed.fsdp.FSDPModule (fully_shard), "
-            f"which torch {torch.__version__} lacks; upgrade to torch >= {_MIN_TORCH}"
-        ) from exc
-    missing = [name for name in _REQUIRED_METHODS if not hasattr(FSDPModule, name)]
-    if missing:
-        raise RuntimeError(
-            f"use_low_precision_reduction needs FSDPModule.{', FSDPModule.'.join(missing)}, which torch "
-            f"{torch.__version__} lacks; upgrade to torch >= {_MIN_TORCH}"
-        )
-    return FSDPModule
-
-
-def _check_not_hsdp(module: nn.Module) -> None:
-    from torch.distributed.tensor import DTensor, Replicate
-
-    for name, param in module.named_parameters():
-        if isinstance(param, DTensor) and any(isinstance(p, Replicate) for p in param.placements):
-            raise ValueError(
-                f"module: parameter {name!r} is replicated over a dimension of mesh "
-                f"{tuple(param.device_mesh.shape)} (HSDP), whose all-reduce this reduce-scatter cannot "
-                "average; use a 1-D mesh, or MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) for HSDP"
-            )
-
-
-def _install_reduce_scatter(module: nn.Module, comm: Any, hint: str = "") -> list[Any]:
-    """Give every ``fully_shard`` module in ``module`` the reduce-scatter ``comm``; return those modules.
-
-    Each one also gets a gradient divide factor of 1 and SUM-only reductions, since ``comm``
-    averages by itself. ``hint`` ends the error raised when ``module`` holds no ``fully_shard``
-    module. Raises as :func:`use_low_precision_reduction` and
-    :func:`~dcomm.fsdp.use_quantized_reduction` document.
-    """
-    fsdp_module = _fsdp_module_class()
-    targets: list[Any] = [m for m in module.modules() if isinstance(m, fsdp_module)]
-    if not targets:
-        raise ValueError(
-            f"module: no fully_shard module in {type(module).__name__}; call "
-            f"torch.distributed.fsdp.fully_shard(module) first{hint}"
-        )
-    _check_not_hsdp(module)
-    for target in targets:
-        target.set_custom_reduce_scatter(comm)
-        target.set_gradient_divide_factor(1.0)
-        target.set_force_sum_reduction_for_comms(True)
-    return targets
 
 
 def _reduces_in(policy: Any, dtype: torch.dtype) -> bool:
@@ -355,7 +252,7 @@ def use_low_precision_reduction(module: nn.Module, dtype: torch.dtype = torch.bf
         LowPrecisionReduceScatter(dtype=torch.float16)
     """
     comm = LowPrecisionReduceScatter(dtype)
-    targets = _install_reduce_scatter(
+    targets = install_reduce_scatter(
         module,
         comm,
         " (for FullyShardedDataParallel use register_comm_hook with dcomm.fsdp.fp16_compress_hook or "

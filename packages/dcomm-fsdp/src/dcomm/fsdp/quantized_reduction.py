@@ -19,22 +19,20 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from dcomm.core import keep_until_stream_done
 from dcomm.core.quantization import dequantize_rows, quantize_rows
-from dcomm.fsdp.fully_shard import LowPrecisionReduceScatter, _CompletedWork, _install_reduce_scatter
+from dcomm.fsdp._custom_reduce_scatter import AveragingReduceScatter, check_sizes, install_reduce_scatter
 
 __all__ = ["QUANTIZED_REDUCTION_DTYPES", "QuantizedReduceScatter", "use_quantized_reduction"]
 
 QUANTIZED_REDUCTION_DTYPES = ("int8", "fp8")
 
 
-class QuantizedReduceScatter:
+class QuantizedReduceScatter(AveragingReduceScatter):
     """A custom FSDP2 reduce-scatter that averages block-quantized int8 or fp8 chunks.
 
     FSDP2 calls it as ``comm(output_tensor, input_tensor, group, op)``; ``op`` must be ``SUM``
@@ -48,6 +46,7 @@ class QuantizedReduceScatter:
     """
 
     __slots__ = ("block_size", "bytes_sent", "dtype")
+    installer = "use_quantized_reduction"
 
     def __init__(self, dtype: str = "int8", block_size: int = 256) -> None:
         if dtype not in QUANTIZED_REDUCTION_DTYPES:
@@ -64,38 +63,16 @@ class QuantizedReduceScatter:
     def __repr__(self) -> str:
         return f"QuantizedReduceScatter(dtype={self.dtype!r}, block_size={self.block_size})"
 
-    # FSDP2's reduce-scatter buffers: plain caching-allocator tensors, as for the fp16/bf16 one.
-    allocate = LowPrecisionReduceScatter.allocate
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: Any = dist.ReduceOp.SUM,
-        async_op: bool = False,
-    ) -> _CompletedWork | None:
-        """Write the average over ``group`` of this rank's chunk of ``input_tensor`` into ``output_tensor``.
-
-        Example::
-
-            >>> QuantizedReduceScatter("int8")(shard, flat_grad, dist.group.WORLD)  # doctest: +SKIP
-        """
-        if op != dist.ReduceOp.SUM:
-            raise ValueError(
-                f"op: QuantizedReduceScatter averages by itself and needs ReduceOp.SUM, got {op}; install it "
-                "with dcomm.fsdp.use_quantized_reduction(module), which turns off FSDP's own averaging"
-            )
+    def _reduce_scatter(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
+    ) -> None:
+        """Quantize each rank's chunk, exchange the chunks all-to-all, average the dequantized copies."""
         world = dist.get_world_size(group)
-        shard = output_tensor.numel()
-        if input_tensor.numel() != shard * world:
-            raise ValueError(
-                f"input_tensor: expected {shard * world} elements (output numel {shard} x group size "
-                f"{world}), got {input_tensor.numel()}"
-            )
+        check_sizes(output_tensor, input_tensor, world)
         if world == 1:
             output_tensor.copy_(input_tensor.view_as(output_tensor))
-            return _CompletedWork() if async_op else None
+            return
+        shard = output_tensor.numel()
         block = self.block_size
         cols = -(-shard // block) * block
         rows = input_tensor.view(world, shard)
@@ -109,7 +86,6 @@ class QuantizedReduceScatter:
         keep_until_stream_done(send)
         keep_until_stream_done(recv)
         self.bytes_sent += (world - 1) * send.shape[1]
-        return _CompletedWork() if async_op else None
 
 
 def use_quantized_reduction(module: nn.Module, dtype: str = "int8", block_size: int = 256) -> QuantizedReduceScatter:
@@ -133,5 +109,5 @@ def use_quantized_reduction(module: nn.Module, dtype: str = "int8", block_size: 
         QuantizedReduceScatter(dtype='fp8', block_size=256)
     """
     comm = QuantizedReduceScatter(dtype, block_size)
-    _install_reduce_scatter(module, comm)
+    install_reduce_scatter(module, comm)
     return comm

@@ -20,6 +20,7 @@ import torch
 from dcomm.averaging import DiLoCoOptimizer
 from dcomm.averaging._diloco.fragments import split_bytes, sync_offsets
 from dcomm_testing import run_ranks, seeded_mlp, seeded_pair
+from dcomm_testing.marks import ON_GLOO_AND_NCCL
 
 # Relative tolerance on 3 ranks, where gloo may sum the three deltas in another order.
 RTOL = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -320,12 +321,7 @@ def backward_on(model: torch.nn.Module, rank: int, step: int, device: torch.devi
     ((model(x.to(device)) - y.to(device)) ** 2).mean().backward()
 
 
-@pytest.mark.timeout(200)
-def test_diloco_offload_gives_the_same_result_on_cpu() -> None:
-    run_ranks(_offload, 2, "cpu", timeout=150)
-
-
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
-def test_diloco_offload_keeps_global_and_outer_state_on_cpu_pinned() -> None:
-    run_ranks(_offload, 2, "cuda", backend="nccl", timeout=240)
+@ON_GLOO_AND_NCCL
+def test_diloco_offload_gives_the_same_result_and_keeps_state_on_cpu(device_type: str, backend: str) -> None:
+    run_ranks(_offload, 2, device_type, backend=backend, timeout=240)

@@ -18,6 +18,7 @@ from dcomm.averaging import DiLoCoOptimizer
 from dcomm.averaging._diloco.exchange import BLOCK_SIZE, PseudoGradientExchange
 from dcomm.core import payload_bytes
 from dcomm_testing import run_ranks, spread_normal
+from dcomm_testing.marks import ON_GLOO_AND_NCCL
 
 FORMATS = ["bf16", "fp8", "int8", "int4"]
 # Largest error of one sync, relative to the largest |mean|, for vectors of mixed magnitudes.
@@ -132,12 +133,7 @@ def _any_shape(rank: int, world: int, device_type: str) -> None:
     assert 0 < distance <= TRAINING_RTOL["int4"], f"int4 is {distance:.3g} of the largest parameter away"
 
 
-@pytest.mark.timeout(200)
-def test_compressed_sync_of_any_shape_and_layout() -> None:
-    run_ranks(_any_shape, 2, "cpu", timeout=150)
-
-
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
-def test_compressed_sync_on_nccl() -> None:
-    run_ranks(_any_shape, 2, "cuda", backend="nccl", timeout=240)
+@ON_GLOO_AND_NCCL
+def test_compressed_sync_of_any_shape_and_layout(device_type: str, backend: str) -> None:
+    run_ranks(_any_shape, 2, device_type, backend=backend, timeout=240)

@@ -33,6 +33,7 @@ from dcomm.averaging._diloco.exchange import (
     ReadyAverage,
 )
 from dcomm.averaging._diloco.fragments import split_bytes, sync_offsets
+from dcomm.averaging._wrapping_optimizer import WrappingOptimizer
 from dcomm.core import resolve_group
 
 __all__ = ["DiLoCoOptimizer"]
@@ -67,7 +68,7 @@ def _pinned_like(tensor: torch.Tensor) -> torch.Tensor:
     return copy
 
 
-class DiLoCoOptimizer(torch.optim.Optimizer):
+class DiLoCoOptimizer(WrappingOptimizer):
     """Inner steps on each replica; every ``sync_every`` steps an outer step on the averaged change.
 
     At construction every parameter of ``inner`` is broadcast from the first rank of
@@ -125,7 +126,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         fragment_update_alpha: float = 0.0,
         offload_global: bool = False,
     ) -> None:
-        # inner owns param_groups and state; Optimizer.__init__ would copy them, so it is not called.
         for name, value in (("inner", inner), ("outer", outer)):
             if not isinstance(value, torch.optim.Optimizer):
                 raise TypeError(f"{name}: expected a torch.optim.Optimizer, got {type(value).__name__}")
@@ -210,15 +210,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 if tensor.data_ptr() != param.data_ptr():
                     param.detach().copy_(tensor)
 
-    # -- the optimizer interface --------------------------------------------------------------
+    # -- the optimizer interface (param_groups, state, defaults and zero_grad are inner's) ----------
 
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.inner.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.inner.defaults
+    def _wrapped(self) -> torch.optim.Optimizer:
+        return self.inner
 
     @property
     def bytes_sent(self) -> int:
@@ -236,15 +231,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             f"fragment_sync_delay={self.fragment_sync_delay}, compression={self.compression!r},\n"
             f"inner={self.inner!r},\nouter={self.outer!r})"
         )
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the inner optimizer's gradients.
-
-        Example::
-
-            >>> opt.zero_grad()  # doctest: +SKIP
-        """
-        self.inner.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported: inner, outer and the global copy must hold the same parameters.
@@ -267,7 +253,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
             >>> opt.step()  # doctest: +SKIP
         """
-        loss = self.inner.step() if closure is None else self.inner.step(closure)
+        loss = self._wrapped_step(closure)
         self.inner_steps += 1
         now = self.inner_steps
         for flight in self._in_flight:

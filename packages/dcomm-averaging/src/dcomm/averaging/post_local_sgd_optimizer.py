@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dcomm.averaging._wrapping_optimizer import WrappingOptimizer
 from dcomm.core.validation import check_state_dict, non_negative_int
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ def _check_step(name: str, value: Any) -> int:
 NO_STEP_WARNING = "Loaded state dict does not contain a step counter for an averager. Setting step counter to 0."
 
 
-class PostLocalSGDOptimizer(torch.optim.Optimizer):
+class PostLocalSGDOptimizer(WrappingOptimizer):
     """Run ``optim.step()`` then ``averager.average_parameters(optim.param_groups)``.
 
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's. ``state_dict()`` is
@@ -53,19 +54,12 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optim: torch.optim.Optimizer, averager: ModelAverager) -> None:
-        # The wrapped optimizer owns the parameters and state; torch.optim.Optimizer.__init__
-        # would build a second copy of both, so it is deliberately not called (as in torch).
         self.optim = optim
         self.averager = averager
         self.param_groups = optim.param_groups
 
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optim.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optim.defaults
+    def _wrapped(self) -> torch.optim.Optimizer:
+        return self.optim
 
     def __repr__(self) -> str:
         return repr(self.optim)
@@ -105,18 +99,9 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
 
             >>> opt.step()  # doctest: +SKIP
         """
-        loss = self.optim.step() if closure is None else self.optim.step(closure)
+        loss = self._wrapped_step(closure)
         self.averager.average_parameters(self.param_groups)
         return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the wrapped optimizer's gradients.
-
-        Example::
-
-            >>> opt.zero_grad()  # doctest: +SKIP
-        """
-        self.optim.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group to the wrapped optimizer.

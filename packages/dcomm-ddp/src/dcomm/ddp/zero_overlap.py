@@ -174,8 +174,7 @@ def wait_for_parameters(hook: Callable[..., Any]) -> None:
     the state dict excepted (it waits by itself); a no-op for any other hook.
 
     Args:
-        hook: a hook returned by :func:`hook_with_zero_step` or
-            :func:`hook_with_zero_step_interleaved`.
+        hook: what :func:`hook_with_zero_step` or :func:`hook_with_zero_step_interleaved` returned.
 
     Raises:
         TypeError: ``hook`` was not built by either.
@@ -197,8 +196,7 @@ def step_mode_of(hook: Callable[..., Any]) -> str | None:
     chosen, then the chosen path, the same on every rank.
 
     Args:
-        hook: a hook returned by :func:`hook_with_zero_step` or
-            :func:`hook_with_zero_step_interleaved`.
+        hook: what :func:`hook_with_zero_step` or :func:`hook_with_zero_step_interleaved` returned.
 
     Raises:
         TypeError: ``hook`` was not built by either.
@@ -224,8 +222,7 @@ def fallback_count(hook: Callable[..., Any]) -> int:
     ZeRO owns every trainable parameter, and always 0 with ``reduce_scatter=False``.
 
     Args:
-        hook: a hook returned by :func:`hook_with_zero_step` or
-            :func:`hook_with_zero_step_interleaved`.
+        hook: what :func:`hook_with_zero_step` or :func:`hook_with_zero_step_interleaved` returned.
 
     Raises:
         TypeError: ``hook`` was not built by either.

@@ -2,10 +2,11 @@
 
 The ZeRO overlap hooks need internals of ``ZeroRedundancyOptimizer`` and of DDP's bucketing that
 torch does not publish. Each is read here and nowhere else, so a grep finds them all, and a torch
-release that renames one fails loudly with a ``RuntimeError`` naming the member, instead of
-silently switching a check off. :func:`missing_members` lists what the running torch lacks; the
-unit tests assert it is empty on every torch in the CI matrix. The many-tensor kernels
-(``torch._foreach_*``) are read once for every package, in dcomm-core (:func:`dcomm.core.foreach_div_`).
+release that renames one fails loudly with :class:`~dcomm.core.torch_private.TorchChanged` (a
+``RuntimeError``) naming the member and the supported torch range, instead of silently switching
+a check off. :func:`missing_members` lists what the running torch lacks; the unit tests assert it
+is empty on every torch in the CI matrix. The many-tensor kernels (``torch._foreach_*``) are read
+once for every package, in dcomm-core (:func:`dcomm.core.foreach_div_`).
 
 Example::
 
@@ -27,84 +28,82 @@ import torch.distributed.optim.zero_redundancy_optimizer as zero_module
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-SUPPORTED = "torch>=2.11,<2.15"
+from dcomm.core.torch_private import private_member
+
+_ZERO = "the ZeroRedundancyOptimizer internals that ZeRO overlap drives"
+_DDP = "the DDP bucketing that ZeRO overlap predicts"
 
 
-def _read(owner: object, name: str, where: str) -> Any:
-    try:
-        return getattr(owner, name)
-    except AttributeError:
-        raise RuntimeError(
-            f"torch {torch.__version__} changed {where}.{name}; dcomm-ddp supports {SUPPORTED}: "
-            "install a supported torch, or a dcomm-ddp release that supports this one"
-        ) from None
+def _read(owner: object, name: str, what: str) -> Any:
+    """``owner.<name>``, or :class:`~dcomm.core.torch_private.TorchChanged` naming it and the supported torch."""
+    return private_member(owner, name, distribution="dcomm-ddp", what=what)
 
 
 # -- ZeroRedundancyOptimizer ---------------------------------------------------------------------
 
 
 def overlap_with_ddp(zero: ZeroRedundancyOptimizer) -> bool:
-    return bool(_read(zero, "_overlap_with_ddp", "ZeroRedundancyOptimizer"))
+    return bool(_read(zero, "_overlap_with_ddp", _ZERO))
 
 
 def overlap_info(zero: ZeroRedundancyOptimizer) -> Any:
     """``zero._overlap_info``: its ``status`` and ``shard_buckets`` are read and set."""
-    info = _read(zero, "_overlap_info", "ZeroRedundancyOptimizer")
-    _read(info, "status", "ZeroRedundancyOptimizer._overlap_info")
+    info = _read(zero, "_overlap_info", _ZERO)
+    _read(info, "status", _ZERO)
     return info
 
 
 def overlap_status() -> type[enum.Enum]:
     """The ``_OverlapStatus`` enum (``UNINITIALIZED``, ``INITIALIZED``, ...)."""
-    return _read(zero_module, "_OverlapStatus", "torch.distributed.optim.zero_redundancy_optimizer")
+    return _read(zero_module, "_OverlapStatus", _ZERO)
 
 
 def all_params(zero: ZeroRedundancyOptimizer) -> list[torch.Tensor]:
-    return list(_read(zero, "_all_params", "ZeroRedundancyOptimizer"))
+    return list(_read(zero, "_all_params", _ZERO))
 
 
 def param_to_rank(zero: ZeroRedundancyOptimizer) -> dict[torch.Tensor, int]:
-    return _read(zero, "_param_to_rank", "ZeroRedundancyOptimizer")
+    return _read(zero, "_param_to_rank", _ZERO)
 
 
 def param_to_index(zero: ZeroRedundancyOptimizer) -> dict[torch.Tensor, int]:
-    return _read(zero, "_param_to_index", "ZeroRedundancyOptimizer")
+    return _read(zero, "_param_to_index", _ZERO)
 
 
 def optim_defaults(zero: ZeroRedundancyOptimizer) -> dict[str, Any]:
-    return _read(zero, "_optim_defaults", "ZeroRedundancyOptimizer")
+    return _read(zero, "_optim_defaults", _ZERO)
 
 
 def optim_constructor(zero: ZeroRedundancyOptimizer) -> Any:
-    return _read(zero, "_optim_constructor", "ZeroRedundancyOptimizer")
+    return _read(zero, "_optim_constructor", _ZERO)
 
 
 def all_state_dicts(zero: ZeroRedundancyOptimizer) -> list[dict[str, Any]]:
     """The per-rank state dicts that ``consolidate_state_dict()`` gathered."""
-    return _read(zero, "_all_state_dicts", "ZeroRedundancyOptimizer")
+    return _read(zero, "_all_state_dicts", _ZERO)
 
 
 def clear_cache(zero: ZeroRedundancyOptimizer) -> None:
-    _read(zero, "_clear_cache", "ZeroRedundancyOptimizer")()
+    _read(zero, "_clear_cache", _ZERO)()
 
 
 def partition_parameters(zero: ZeroRedundancyOptimizer, per_rank: list[list[torch.Tensor]]) -> list[Any]:
     """Fix ``zero``'s owner of every parameter: ``per_rank[r]`` goes to rank ``r``."""
-    return _read(zero, "_partition_parameters", "ZeroRedundancyOptimizer")(per_rank)
+    return _read(zero, "_partition_parameters", _ZERO)(per_rank)
 
 
 def sync_param_groups(zero: ZeroRedundancyOptimizer, src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
     """Copy the hyperparameters (not the parameters) of ``src``'s groups into ``dst``'s."""
-    _read(zero, "_sync_param_groups", "ZeroRedundancyOptimizer")(src, dst)
+    _read(zero, "_sync_param_groups", _ZERO)(src, dst)
 
 
 def check_overlap_initialized(zero: ZeroRedundancyOptimizer) -> None:
-    _read(zero, "_check_overlap_initialized", "ZeroRedundancyOptimizer")()
+    _read(zero, "_check_overlap_initialized", _ZERO)()
 
 
 def functional_optimizers() -> dict[type[torch.optim.Optimizer], Any]:
     """``torch.optim`` class -> the functional optimizer ZeRO overlap builds from it."""
-    return _read(optim_utils, "functional_optim_map", "torch.distributed.optim.utils")
+    return _read(optim_utils, "functional_optim_map", _ZERO)
 
 
 def coalescing_manager() -> Callable[..., Any] | None:
@@ -117,20 +116,20 @@ def coalescing_manager() -> Callable[..., Any] | None:
 
 def has_rebuilt_buckets(ddp: DistributedDataParallel) -> bool:
     """Whether DDP has replaced its first-iteration buckets by the settled ones."""
-    return bool(_read(ddp, "_has_rebuilt_buckets", "DistributedDataParallel"))
+    return bool(_read(ddp, "_has_rebuilt_buckets", _DDP))
 
 
 def bucket_caps(ddp: DistributedDataParallel) -> list[int]:
     """The byte caps DDP rebuilds its buckets with: ``[first, rest]``, or ``[cap]`` when equal."""
-    cap = int(_read(ddp, "bucket_bytes_cap", "DistributedDataParallel"))
-    default = _read(ddp, "bucket_bytes_cap_default", "DistributedDataParallel")
-    first = int(_read(dist, "_DEFAULT_FIRST_BUCKET_BYTES", "torch.distributed")) if default else cap
+    cap = int(_read(ddp, "bucket_bytes_cap", _DDP))
+    default = _read(ddp, "bucket_bytes_cap_default", _DDP)
+    first = int(_read(dist, "_DEFAULT_FIRST_BUCKET_BYTES", _DDP)) if default else cap
     return [first, cap] if first < cap else [cap]
 
 
 def bucket_assignment(tensors: list[torch.Tensor], caps: list[int]) -> list[list[int]]:
     """DDP's own grouping of ``tensors`` (in gradient-ready order) into buckets of at most ``caps``."""
-    assign: Callable[..., Any] = _read(dist, "_compute_bucket_assignment_by_size", "torch.distributed")
+    assign: Callable[..., Any] = _read(dist, "_compute_bucket_assignment_by_size", _DDP)
     indices, _ = assign(tensors, caps, [False] * len(tensors))
     return [list(bucket) for bucket in indices]
 
@@ -147,14 +146,14 @@ def missing_members(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer)
         lambda: optim_defaults(zero),
         lambda: optim_constructor(zero),
         lambda: all_state_dicts(zero),
-        lambda: _read(zero, "_clear_cache", "ZeroRedundancyOptimizer"),
-        lambda: _read(zero, "_partition_parameters", "ZeroRedundancyOptimizer"),
-        lambda: _read(zero, "_sync_param_groups", "ZeroRedundancyOptimizer"),
-        lambda: _read(zero, "_check_overlap_initialized", "ZeroRedundancyOptimizer"),
+        lambda: _read(zero, "_clear_cache", _ZERO),
+        lambda: _read(zero, "_partition_parameters", _ZERO),
+        lambda: _read(zero, "_sync_param_groups", _ZERO),
+        lambda: _read(zero, "_check_overlap_initialized", _ZERO),
         functional_optimizers,
         lambda: has_rebuilt_buckets(ddp),
         lambda: bucket_caps(ddp),
-        lambda: _read(dist, "_compute_bucket_assignment_by_size", "torch.distributed"),
+        lambda: _read(dist, "_compute_bucket_assignment_by_size", _DDP),
     ]
     missing = []
     for check in checks:

@@ -235,7 +235,7 @@ def _validation(rank: int, world: int) -> None:
         ({"outer": inner}, ValueError, "outer"),
         ({"outer": torch.optim.SGD(list(model.parameters())[:-1], lr=0.7)}, ValueError, "outer"),
         ({"sync_every": 0}, ValueError, "sync_every"),
-        ({"sync_every": True}, ValueError, "sync_every"),
+        ({"sync_every": True}, TypeError, "sync_every: expected a positive int, got True"),
         ({"fragments": 0}, ValueError, "fragments"),
         ({"fragments": 7}, ValueError, "fragments: 7 is more than the 6 parameters"),
         ({"fragment_sync_delay": -1}, ValueError, "fragment_sync_delay"),

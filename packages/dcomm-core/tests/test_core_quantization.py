@@ -137,8 +137,10 @@ def test_eight_bit_formats_send_about_a_quarter_of_fp32(fmt: str) -> None:
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="fmt"):
         quantize(torch.ones(4), "int2")
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ValueError, match="block_size: expected an even int >= 2, got 3"):
         quantize(torch.ones(4), "int8", block_size=3)
+    with pytest.raises(TypeError, match="block_size: expected an even int >= 2, got '8'"):
+        quantize(torch.ones(4), "int8", block_size="8")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="x: expected a floating tensor"):
         quantize(torch.ones(4, dtype=torch.int32), "int8")
     payload, scales = quantize(torch.ones(8), "int8", block_size=4)

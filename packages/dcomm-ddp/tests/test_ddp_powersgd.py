@@ -217,8 +217,12 @@ def test_state_arguments_and_bad_state_dict() -> None:
         PowerSGDState(None, matrix_approximation_rank=0)
     with pytest.raises(ValueError, match="start_powerSGD_iter"):
         PowerSGDState(None, start_powerSGD_iter=-1)
-    with pytest.raises(ValueError, match="use_error_feedback"):
+    with pytest.raises(TypeError, match="use_error_feedback: expected True or False, got 'yes'"):
         PowerSGDState(None, use_error_feedback="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"matrix_approximation_rank: expected a positive int, got 2\.0"):
+        PowerSGDState(None, matrix_approximation_rank=2.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="orthogonalization_epsilon: expected a non-negative number, got nan"):
+        PowerSGDState(None, orthogonalization_epsilon=float("nan"))
     with pytest.raises(ValueError, match="random_seed"):
         PowerSGDState(None, random_seed=-1)
     state = PowerSGDState(None, matrix_approximation_rank=2)

@@ -197,10 +197,12 @@ def test_wire_bytes_about_a_quarter_of_fp32_allreduce(world: int, fmt: str) -> N
 
 
 def test_state_arguments_and_bad_state_dict() -> None:
-    with pytest.raises(ValueError, match="error_feedback"):
+    with pytest.raises(TypeError, match="error_feedback: expected True or False, got 1"):
         QuantizedState(None, error_feedback=1)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ValueError, match="block_size: expected an even int >= 2, got 3"):
         QuantizedState(None, block_size=3)
+    with pytest.raises(TypeError, match=r"block_size: expected an even int >= 2, got 4\.0"):
+        QuantizedState(None, block_size=4.0)  # type: ignore[arg-type]
     state = QuantizedState(None, block_size=BLOCK)
     state.bytes_sent = 5
     with pytest.raises(ValueError, match="missing keys"):

@@ -91,8 +91,10 @@ def test_fully_shard_gradients_close_to_exact_mean(world: int) -> None:
 def test_bad_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="dtype: expected one of"):
         QuantizedReduceScatter("int2")
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ValueError, match="block_size: expected an even int >= 2, got 7"):
         QuantizedReduceScatter("int8", block_size=7)
+    with pytest.raises(TypeError, match="block_size: expected an even int >= 2, got True"):
+        QuantizedReduceScatter("int8", block_size=True)
     with pytest.raises(ValueError, match="no fully_shard module"):
         use_quantized_reduction(nn.Linear(2, 2), "int8")
     monkeypatch.delattr(FSDPModule, "set_force_sum_reduction_for_comms")

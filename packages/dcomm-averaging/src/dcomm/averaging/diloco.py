@@ -35,6 +35,7 @@ from dcomm.averaging._diloco.exchange import (
 from dcomm.averaging._diloco.fragments import split_bytes, sync_offsets
 from dcomm.averaging._wrapping_optimizer import WrappingOptimizer
 from dcomm.core import resolve_group
+from dcomm.core.validation import boolean, non_negative_int, positive_int
 
 __all__ = ["DiLoCoOptimizer"]
 
@@ -45,12 +46,6 @@ class _InFlight:
     advance_step: int
     apply_step: int
     average: PendingAverage | ReadyAverage
-
-
-def _check_int(name: str, value: object, lowest: int, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-        raise ValueError(f"{name}: expected an int >= {lowest}, got {value!r}; {fix}")
-    return value
 
 
 def _unique_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -131,10 +126,10 @@ class DiLoCoOptimizer(WrappingOptimizer):
                 raise TypeError(f"{name}: expected a torch.optim.Optimizer, got {type(value).__name__}")
         if inner is outer:
             raise ValueError("outer: got the same optimizer as inner; build a second one, e.g. SGD(lr=0.7, ...)")
-        self.sync_every = _check_int("sync_every", sync_every, 1, "pass the number of inner steps per sync, e.g. 50")
-        self.fragments = _check_int("fragments", fragments, 1, "pass 1 for plain DiLoCo")
-        self.fragment_sync_delay = _check_int(
-            "fragment_sync_delay", fragment_sync_delay, 0, "pass 0 to apply each sync at once"
+        self.sync_every = positive_int("sync_every", sync_every, "pass the number of inner steps per sync, e.g. 50")
+        self.fragments = positive_int("fragments", fragments, "pass 1 for plain DiLoCo")
+        self.fragment_sync_delay = non_negative_int(
+            "fragment_sync_delay", fragment_sync_delay, "pass 0 to apply each sync at once"
         )
         if self.fragment_sync_delay >= self.sync_every:
             raise ValueError(
@@ -146,11 +141,9 @@ class DiLoCoOptimizer(WrappingOptimizer):
         alpha = fragment_update_alpha
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha < 1.0:
             raise ValueError(f"fragment_update_alpha: expected a number in [0, 1), got {alpha!r}; pass 0 (the default)")
-        if not isinstance(offload_global, bool):
-            raise TypeError(f"offload_global: expected a bool, got {offload_global!r}")
         self.compression = compression
         self.fragment_update_alpha = float(alpha)
-        self.offload_global = offload_global
+        self.offload_global = boolean("offload_global", offload_global, "pass True to keep g in CPU memory")
         self.inner = inner
         self.outer = outer
         self.param_groups = inner.param_groups
@@ -409,7 +402,7 @@ class DiLoCoOptimizer(WrappingOptimizer):
         if not isinstance(state_dict, dict) or not {"state", "param_groups", "step", "diloco"} <= state_dict.keys():
             raise ValueError(f"state_dict: expected keys 'state', 'param_groups', 'step', 'diloco'; {fix}")
         step = state_dict["step"]
-        _check_int("state_dict['step']", step, 0, fix)
+        non_negative_int("state_dict['step']", step, fix)
         extra = state_dict["diloco"]
         keys = {"config", "outer", "global", "feedback", "pending", "bytes_sent"}
         if not isinstance(extra, dict) or not keys <= extra.keys():
@@ -421,7 +414,7 @@ class DiLoCoOptimizer(WrappingOptimizer):
                     f"state_dict['diloco']['config']['{key}']: the checkpoint has {saved!r}, this optimizer "
                     f"{value!r}; build the DiLoCoOptimizer with {key}={saved!r} to resume it"
                 )
-        _check_int("state_dict['diloco']['bytes_sent']", extra["bytes_sent"], 0, fix)
+        non_negative_int("state_dict['diloco']['bytes_sent']", extra["bytes_sent"], fix)
         self._check_groups("state_dict", self.inner, state_dict)
         self._check_groups("state_dict['diloco']['outer']", self.outer, extra["outer"])
         self._check_tensors("global", extra["global"], [(p.shape, p.dtype) for p in self._params])

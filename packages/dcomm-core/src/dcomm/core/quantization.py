@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from dcomm.core.validation import even_int
+
 __all__ = [
     "QUANTIZED_FORMATS",
     "code_bytes",
@@ -49,8 +51,7 @@ _FP8_SUBNORMAL_STEPS = 2.0**9  # codes per unit below the smallest normal
 def _check_format(fmt: str, block_size: int) -> None:
     if fmt not in QUANTIZED_FORMATS:
         raise ValueError(f"fmt: expected one of {QUANTIZED_FORMATS}, got {fmt!r}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2 or block_size % 2:
-        raise ValueError(f"block_size: expected an even int >= 2, got {block_size!r}; the default is 256")
+    even_int("block_size", block_size, 2, "the default is 256")
 
 
 def max_code(fmt: str) -> float:

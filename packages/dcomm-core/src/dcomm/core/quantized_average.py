@@ -42,7 +42,7 @@ import torch.distributed as dist
 from dcomm.core.collectives import _work_future, group_size, resolve_group, start_all_gather
 from dcomm.core.low_precision import keep_until_stream_done
 from dcomm.core.quantization import QUANTIZED_FORMATS, dequantize_rows, payload_bytes, quantize_rows
-from dcomm.core.validation import one_of
+from dcomm.core.validation import even_int, one_of
 
 __all__ = [
     "AVERAGE_FORMATS",
@@ -129,11 +129,7 @@ class QuantizedAverage:
 
     def __init__(self, fmt: str, block_size: int = 256, pattern: str = "two_shot") -> None:
         self.fmt = one_of("fmt", fmt, AVERAGE_FORMATS, "pass one of the formats")
-        if isinstance(block_size, bool) or not isinstance(block_size, int):
-            raise TypeError(f"block_size: expected an even int >= 2, got {block_size!r}; the default is 256")
-        if block_size < 2 or block_size % 2:
-            raise ValueError(f"block_size: expected an even int >= 2, got {block_size!r}; the default is 256")
-        self.block_size = block_size
+        self.block_size = even_int("block_size", block_size, 2, "the default is 256")
         self.pattern = one_of("pattern", pattern, AVERAGE_PATTERNS, "the default is 'two_shot'")
         self._buffers: dict[Hashable, _Buffers] = {}
         self._streams: dict[torch.device, Any] = {}

@@ -21,7 +21,9 @@ from typing import Any
 __all__ = [
     "boolean",
     "check_state_dict",
+    "even_int",
     "non_negative_int",
+    "non_negative_number",
     "one_of",
     "positive_int",
     "positive_number",
@@ -63,6 +65,30 @@ def non_negative_int(name: str, value: Any, fix: str) -> int:
     return _int(name, value, 0, "a non-negative int", fix)
 
 
+def even_int(name: str, value: Any, minimum: int, fix: str) -> int:
+    """``value`` if it is an even int >= ``minimum``; else a TypeError (not an int) or ValueError.
+
+    Example::
+
+        >>> even_int("block_size", 3, 2, "the default is 256")
+        Traceback (most recent call last):
+        ValueError: block_size: expected an even int >= 2, got 3; the default is 256
+    """
+    checked = _int(name, value, minimum, f"an even int >= {minimum}", fix)
+    if checked % 2:
+        raise _fail(ValueError, name, f"an even int >= {minimum}", value, fix)
+    return checked
+
+
+def _number(name: str, value: Any, positive: bool, fix: str) -> float:
+    expected = "a positive number" if positive else "a non-negative number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(TypeError, name, expected, value, fix)
+    if not (value > 0 if positive else value >= 0):  # NaN fails both
+        raise _fail(ValueError, name, expected, value, fix)
+    return float(value)
+
+
 def positive_number(name: str, value: Any, fix: str) -> float:
     """``value`` as a float if it is a real number > 0 (not a bool); else a TypeError or ValueError.
 
@@ -71,11 +97,18 @@ def positive_number(name: str, value: Any, fix: str) -> float:
         >>> positive_number("bucket_cap_mb", 25, "pass e.g. 25")
         25.0
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _fail(TypeError, name, "a positive number", value, fix)
-    if not value > 0:
-        raise _fail(ValueError, name, "a positive number", value, fix)
-    return float(value)
+    return _number(name, value, True, fix)
+
+
+def non_negative_number(name: str, value: Any, fix: str) -> float:
+    """``value`` as a float if it is a real number >= 0 (not a bool); else a TypeError or ValueError.
+
+    Example::
+
+        >>> non_negative_number("orthogonalization_epsilon", 0, "pass e.g. 1e-8")
+        0.0
+    """
+    return _number(name, value, False, fix)
 
 
 def boolean(name: str, value: Any, fix: str) -> bool:

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from dcomm.core import allreduce_future, keep_until_stream_done, resolve_group
+from dcomm.core.validation import boolean, non_negative_int, non_negative_number, positive_int
 from dcomm.ddp._ordered_chain import OrderedChain
 from dcomm.ddp._seed_stream import SeedStream
 
@@ -56,30 +57,6 @@ _SETTINGS = (
 )
 _COUNTERS = ("iter", "start_powerSGD_iter", "total_numel_before_compression", "total_numel_after_compression")
 _MEMORY = ("error_dict", "p_memory_dict", "q_memory_dict")
-
-
-def _positive_int(name: str, value: object, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}; {fix}")
-    return value
-
-
-def _non_negative_int(name: str, value: object, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}: expected a non-negative int, got {value!r}; {fix}")
-    return value
-
-
-def _flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}: expected True or False, got {value!r}")
-    return value
-
-
-def _non_negative_number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"{name}: expected a non-negative number, got {value!r}")
-    return value
 
 
 class PowerSGDState:
@@ -148,17 +125,23 @@ class PowerSGDState:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise ValueError(f"process_group: expected a ProcessGroup or None, got {type(process_group).__name__}")
         self.process_group = process_group
-        self.matrix_approximation_rank = _positive_int(
+        self.matrix_approximation_rank = positive_int(
             "matrix_approximation_rank", matrix_approximation_rank, "pass the rank of the approximation, e.g. 4"
         )
-        self.start_powerSGD_iter = _non_negative_int(
+        self.start_powerSGD_iter = non_negative_int(
             "start_powerSGD_iter", start_powerSGD_iter, "pass the number of uncompressed iterations, e.g. 10"
         )
-        self.min_compression_rate = _non_negative_number("min_compression_rate", min_compression_rate)
-        self.use_error_feedback = _flag("use_error_feedback", use_error_feedback)
-        self.warm_start = _flag("warm_start", warm_start)
-        self.orthogonalization_epsilon = _non_negative_number("orthogonalization_epsilon", orthogonalization_epsilon)
-        self.batch_tensors_with_same_shape = _flag("batch_tensors_with_same_shape", batch_tensors_with_same_shape)
+        self.min_compression_rate = non_negative_number(
+            "min_compression_rate", min_compression_rate, "pass 0 to compress every tensor, e.g. 2"
+        )
+        self.use_error_feedback = boolean("use_error_feedback", use_error_feedback, "pass True or False")
+        self.warm_start = boolean("warm_start", warm_start, "pass True or False")
+        self.orthogonalization_epsilon = non_negative_number(
+            "orthogonalization_epsilon", orthogonalization_epsilon, "pass 0, or e.g. 1e-8 against all-zero columns"
+        )
+        self.batch_tensors_with_same_shape = boolean(
+            "batch_tensors_with_same_shape", batch_tensors_with_same_shape, "pass True or False"
+        )
         self.rng = SeedStream(random_seed)
         self.error_dict: dict[int, torch.Tensor] = {}
         self.p_memory_dict: dict[int, torch.Tensor] = {}
@@ -237,8 +220,8 @@ class PowerSGDState:
                     f"state_dict['{key}']: saved {state_dict[key]!r}, this state has {getattr(self, key)!r}; "
                     f"construct PowerSGDState with {key}={state_dict[key]!r} to resume"
                 )
-        counters = {key: _non_negative_int(f"state_dict['{key}']", state_dict[key], fix) for key in _COUNTERS}
-        next_report = _non_negative_int("state_dict['next_stats_report']", state_dict["next_stats_report"], fix)
+        counters = {key: non_negative_int(f"state_dict['{key}']", state_dict[key], fix) for key in _COUNTERS}
+        next_report = non_negative_int("state_dict['next_stats_report']", state_dict["next_stats_report"], fix)
         memory = {}
         for key in _MEMORY:
             tensors = state_dict[key]

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from dcomm.core import QuantizedAverage, completed_future, quantized_average_bytes, resolve_group
+from dcomm.core.validation import boolean, even_int, non_negative_int
 from dcomm.ddp._ordered_chain import OrderedChain
 
 __all__ = ["QuantizedState", "fp8_compress_hook", "int8_compress_hook", "quantized_allreduce_bytes"]
@@ -96,13 +97,9 @@ class QuantizedState:
     ) -> None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise ValueError(f"process_group: expected a ProcessGroup or None, got {type(process_group).__name__}")
-        if not isinstance(error_feedback, bool):
-            raise ValueError(f"error_feedback: expected True or False, got {error_feedback!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2 or block_size % 2:
-            raise ValueError(f"block_size: expected an even int >= 2, got {block_size!r}; the default is 256")
         self.process_group = process_group
-        self.error_feedback = error_feedback
-        self.block_size = block_size
+        self.error_feedback = boolean("error_feedback", error_feedback, "pass False to drop the rounding errors")
+        self.block_size = even_int("block_size", block_size, 2, "the default is 256")
         self.bytes_sent = 0
         # Per bucket index: the local rounding error (the padded bucket) and the owner's error of
         # its re-quantized average chunk.
@@ -155,9 +152,7 @@ class QuantizedState:
                     f"state_dict['{key}']: saved {state_dict[key]!r}, this state has {getattr(self, key)!r}; "
                     f"construct QuantizedState with {key}={state_dict[key]!r} to resume"
                 )
-        sent = state_dict["bytes_sent"]
-        if isinstance(sent, bool) or not isinstance(sent, int) or sent < 0:
-            raise ValueError(f"state_dict['bytes_sent']: expected a non-negative int, got {sent!r}; {fix}")
+        sent = non_negative_int("state_dict['bytes_sent']", state_dict["bytes_sent"], fix)
         memory = {}
         for key in ("error_dict", "shard_error_dict"):
             tensors = state_dict[key]

@@ -25,6 +25,7 @@ from torch import nn
 
 from dcomm.core import keep_until_stream_done
 from dcomm.core.quantization import dequantize_rows, quantize_rows
+from dcomm.core.validation import even_int
 from dcomm.fsdp._custom_reduce_scatter import AveragingReduceScatter, check_sizes, install_reduce_scatter
 
 __all__ = ["QUANTIZED_REDUCTION_DTYPES", "QuantizedReduceScatter", "use_quantized_reduction"]
@@ -54,10 +55,8 @@ class QuantizedReduceScatter(AveragingReduceScatter):
                 f"dtype: expected one of {QUANTIZED_REDUCTION_DTYPES}, got {dtype!r}; for fp16/bf16 use "
                 "dcomm.fsdp.use_low_precision_reduction"
             )
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2 or block_size % 2:
-            raise ValueError(f"block_size: expected an even int >= 2, got {block_size!r}; the default is 256")
         self.dtype = dtype
-        self.block_size = block_size
+        self.block_size = even_int("block_size", block_size, 2, "the default is 256")
         self.bytes_sent = 0
 
     def __repr__(self) -> str:

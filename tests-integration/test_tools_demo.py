@@ -3,6 +3,7 @@ right runs, and its short configuration trains every algorithm end to end on 2 g
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -19,11 +20,13 @@ from dcomm_testing import run_ranks
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tools.demo import main as demo_main  # noqa: E402
 from tools.demo_lm.comm_bytes import CommCounter  # noqa: E402
 from tools.demo_lm.config import CONFIGS  # noqa: E402
-from tools.demo_lm.report import COMPRESSION_CHART, convergence_goal, verdict, write_report  # noqa: E402
-from tools.demo_lm.runs import BASELINE, CONVERGENCE_GOAL  # noqa: E402
-from tools.demo_lm.train import RunResult  # noqa: E402
+from tools.demo_lm.corpus import Corpus  # noqa: E402
+from tools.demo_lm.report import COMPRESSION_CHART, DILOCO_CHART, convergence_goal, verdict, write_report  # noqa: E402
+from tools.demo_lm.runs import BASELINE, CONVERGENCE_GOAL, DILOCO_GOAL, DILOCO_TOLERANCE  # noqa: E402
+from tools.demo_lm.train import RunResult, rank_main  # noqa: E402
 
 
 def _counted(counter: CommCounter, collective) -> int:  # type: ignore[no-untyped-def]
@@ -161,6 +164,67 @@ def test_report_charts_the_compression_runs_against_fp32_ddp(tmp_path: pathlib.P
     report = write_report(tmp_path / "none", results[:1], {}, tolerance=0.01).read_text()
     assert not (tmp_path / "none" / COMPRESSION_CHART).exists()
     assert "Compression against" not in report
+
+
+def test_report_states_and_charts_the_diloco_runs_against_their_two_percent_goal(tmp_path: pathlib.Path) -> None:
+    fp32, int8 = DILOCO_GOAL
+    losses = {BASELINE: [5.0, 3.0, 2.0], fp32: [5.0, 3.1, 2.03], int8: [5.0, 3.1, 2.05], INT8: [5.0, 3.0, 2.01]}
+    results = [_result("dcomm", curve, algorithm=name) for name, curve in losses.items()]
+    results[0].impl = "torch"
+    for r in results:
+        r.bytes_sent = [0.0, 1e6, 2e6]
+    assert DILOCO_TOLERANCE == 0.02
+    expected = [
+        f"{fp32} [dcomm]: 2.0300, +1.50% vs fp32 DDP's 2.0000 at step 2: met",
+        f"{int8} [dcomm]: 2.0500, +2.50% vs fp32 DDP's 2.0000 at step 2: missed",
+    ]
+    assert convergence_goal(results, DILOCO_TOLERANCE, DILOCO_GOAL) == expected
+    # The compression goal leaves DiLoCo out, and DiLoCo's gap fails nothing (no torch counterpart).
+    assert [line.split(" [")[0] for line in convergence_goal(results, 0.01)] == [INT8]
+    assert verdict(results, tolerance=0.01) == []
+    report = write_report(tmp_path, results, {"diloco": "H = 2"}, tolerance=0.01).read_text()
+    assert (tmp_path / DILOCO_CHART).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"]({DILOCO_CHART})" in report
+    assert "## DiLoCo against fp32 DDP" in report
+    assert "within 2% of fp32 DDP" in report
+    assert all(f"- {line}" in report for line in expected)
+    assert json.loads((tmp_path / "results.json").read_text())["diloco_goal"] == expected
+
+
+def test_demo_refuses_steps_that_leave_no_diloco_step_after_the_ddp_start(capsys: pytest.CaptureFixture[str]) -> None:
+    start = CONFIGS["diloco"].diloco_start
+    assert demo_main(["--config", "diloco", "--steps", str(start)]) == 2
+    assert f"--steps: {start} leaves no DiLoCo step after {start} DDP steps" in capsys.readouterr().err
+    assert demo_main(["--config", "tiny", "--steps", "5", "--diloco-start", "5"]) == 2
+    with pytest.raises(SystemExit):
+        demo_main(["--diloco-start", "-1"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_diloco_start_trains_exactly_as_ddp_then_sends_only_the_syncs() -> None:
+    config = dataclasses.replace(CONFIGS["tiny"], steps=12, eval_every=4, diloco_every=4, diloco_start=4)
+    corpus = Corpus.load(config.corpus_bytes)
+    per_rank = run_ranks(rank_main, 2, config, corpus, ["DiLoCo"], False, timeout=200)
+    runs = {r["algorithm"]: r for r in per_rank[0]}
+    ddp = runs[BASELINE]
+    params = sum(p.numel() for p in config.new_model().parameters())
+    for name in DILOCO_GOAL:
+        run = runs[name]
+        assert not run["error"], run
+        assert not run["skipped"], run
+        assert run["steps"] == ddp["steps"] == [0, 4, 8, 12]
+        # The first 4 steps are DDP's: the same losses, bit for bit, and the same bytes.
+        assert run["val_loss"][:2] == ddp["val_loss"][:2]
+        assert run["bytes_sent"][1] == ddp["bytes_sent"][1]
+        assert run["val_loss"][2] != ddp["val_loss"][2]
+        # Steps 9 to 12: no DDP traffic, one sync of the pseudo-gradient (fp32: params * 4 bytes in).
+        last_sync = run["bytes_sent"][3] - run["bytes_sent"][2]
+        if name == "DiLoCo":
+            assert last_sync == params * 4
+        else:
+            assert 0 < last_sync < params * 4 / 2
+    assert ddp["bytes_sent"][3] - ddp["bytes_sent"][2] == 4 * params * 4
 
 
 @pytest.mark.slow

@@ -33,7 +33,16 @@ from tools.impls import resolve as shared_resolve
 from .config import Config
 from .model import TinyGPT, next_byte_loss
 
-__all__ = ["ALGORITHMS", "BASELINE", "CONVERGENCE_GOAL", "Context", "Trainee", "Unavailable"]
+__all__ = [
+    "ALGORITHMS",
+    "BASELINE",
+    "CONVERGENCE_GOAL",
+    "DILOCO_GOAL",
+    "DILOCO_TOLERANCE",
+    "Context",
+    "Trainee",
+    "Unavailable",
+]
 
 
 class Unavailable(Exception):
@@ -271,15 +280,40 @@ def fully_shard_bf16(impl: str) -> Builder:
 def diloco(compression: str | None) -> Builder:
     """DiLoCo: local AdamW steps, every ``diloco_every`` steps an outer Nesterov SGD step on the
     averaged parameter change (sent as ``compression`` codes, or fp32). No DDP: nothing is
-    communicated between synchronisations."""
+    communicated between synchronisations. With ``diloco_start`` > 0, the first steps are DDP's
+    (fp32 gradient allreduce, the same AdamW), as the DiLoCo paper starts from a model trained
+    synchronously; the DiLoCoOptimizer takes over the AdamW and its state after them."""
 
     def build(ctx: Context) -> Trainee:
         optimizer_class = _load("dcomm.averaging:DiLoCoOptimizer")
+        config = ctx.config
         model = ctx.new_model()
         inner = ctx.adamw(model.parameters())
-        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-        sync_every = ctx.config.diloco_every
-        return optimizer_trainee(model, optimizer_class(inner, outer, sync_every=sync_every, compression=compression))
+
+        def new_diloco() -> Any:
+            outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+            return optimizer_class(inner, outer, sync_every=config.diloco_every, compression=compression)
+
+        if config.diloco_start == 0:
+            return optimizer_trainee(model, new_diloco())
+        ddp = ctx.ddp(model)
+        taken = 0
+        diloco = None
+
+        def step(tokens: torch.Tensor, targets: torch.Tensor) -> None:
+            nonlocal taken, diloco
+            inner.zero_grad(set_to_none=True)
+            if taken < config.diloco_start:  # synchronous warm-up: DDP's gradient allreduce
+                next_byte_loss(ddp(tokens), targets).backward()
+                inner.step()
+            else:  # the bare module: DDP's reducer is idle without its forward
+                if diloco is None:
+                    diloco = new_diloco()
+                next_byte_loss(model(tokens), targets).backward()
+                diloco.step()
+            taken += 1
+
+        return Trainee(model, step)
 
     return build
 
@@ -304,6 +338,12 @@ ALGORITHMS: dict[str, dict[str, Builder]] = {
     "DiLoCo int8": {"dcomm": diloco("int8")},
 }
 """Every run of the demo, in the order it runs: algorithm -> implementation -> builder."""
+
+DILOCO_GOAL = ("DiLoCo", "DiLoCo int8")
+"""DiLoCo runs that should end within :data:`DILOCO_TOLERANCE` of the baseline's validation loss at
+equal steps (equal tokens: every rank reads its own batch each step in both)."""
+DILOCO_TOLERANCE = 0.02
+"""DiLoCo's goal (issue 16): at most 2% above fp32 DDP, whatever ``--tolerance`` says."""
 
 CONVERGENCE_GOAL = ("DDP int8_compress_hook", "DDP fp8_compress_hook", "DDP powerSGD_hook (rank 4)")
 """Compressed runs that should end within the tolerance of the baseline's validation loss at

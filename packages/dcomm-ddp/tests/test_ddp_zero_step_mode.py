@@ -120,9 +120,11 @@ def _auto(rank: int, world: int) -> list[str]:
         ddp, ref_ddp = DDP(model, bucket_cap_mb=BUCKET_MB), DDP(ref_model, bucket_cap_mb=BUCKET_MB)
         zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=cls, overlap_with_ddp=True, **kwargs)
         ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=cls, **kwargs)
+        before = len(records.messages)
         hook = build(allreduce_hook, ddp, zero, shard_buckets=True, reduce_scatter=rs)  # step_mode="auto"
         ddp.register_comm_hook(None, hook)
-        before = len(records.messages)
+        # hook_with_zero_step with reduce_scatter=False has nothing to overlap per bucket: "fused" at once.
+        fixed = build is hook_with_zero_step and not rs
         modes = []
         # 1 unsettled backward, 10 timed ones (5 per path; step 7 has two), the choice at step 10's.
         for step in range(13):
@@ -139,14 +141,18 @@ def _auto(rank: int, world: int) -> list[str]:
             ours, theirs = flat_parameters(model), flat_parameters(ref_model)
             torch.testing.assert_close(ours, theirs, **RS_TOL, msg=lambda m, w=where: f"{w}: {m}")
             modes.append(step_mode_of(hook))
-        assert modes[:10] == [None] * 10, (case, modes)
-        assert modes[10] in PATHS, (case, modes)
+        if fixed:
+            assert modes == ["fused"] * 13, (case, modes)
+        else:
+            assert modes[:10] == [None] * 10, (case, modes)
+            assert modes[10] in PATHS, (case, modes)
         assert modes[10:] == [modes[10]] * 3, (case, modes)
         assert _all_ranks(modes[10]) == [modes[10]] * world, case
         lines = [m for m in records.messages[before:] if "step_mode='auto' chose" in m]
         assert len(lines) == (1 if rank == 0 else 0), (case, lines)
         if rank == 0:
             assert f"chose {modes[10]!r}" in lines[0], lines
+            assert ("without timing" in lines[0]) == fixed, lines
         chosen.append(modes[10])
     return chosen
 

@@ -70,7 +70,10 @@ each path in one block per path and times 4 of each, start of backward to start 
 first of each block dropped; CUDA events, or the wall clock off CUDA), takes
 the slower rank's median per path (an all-reduce, so every rank chooses the same), keeps the
 faster path for good and logs the choice and both times once, on rank 0, at ``INFO`` level of
-the ``dcomm.ddp.zero_overlap`` logger; :func:`step_mode_of` returns it. Every path gives the same
+the ``dcomm.ddp.zero_overlap`` logger; :func:`step_mode_of` returns it. For
+``hook_with_zero_step`` with ``reduce_scatter=False`` ``"auto"`` is ``"fused"`` from the start
+(logged the same way): its per-bucket path also updates every bucket at the last one, only with
+one optimizer call per bucket, and measured slower on every GPU workload. Every path gives the same
 parameters, so the choice is not checkpointed: a restarted run calibrates again.
 
 Example::

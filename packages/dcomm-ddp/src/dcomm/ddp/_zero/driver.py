@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 import dcomm.ddp._torch_private as private
 from dcomm.core import all_gather_single, start_all_gather
 from dcomm.ddp._zero.layout import partition
-from dcomm.ddp._zero.step_mode import Calibration
+from dcomm.ddp._zero.step_mode import Calibration, log_fixed_choice
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 Checks = Callable[[Any], None]
@@ -122,8 +122,12 @@ class Driver:
         self.works: list[Any] = []
         self.stream: Any = None
         self.fallbacks = 0  # buckets allreduced instead of reduce-scattered once DDP settled
-        self.calibration = Calibration(self.group) if setup.step_mode == "auto" else None
-        self.mode = "per_bucket" if self.calibration is not None else setup.step_mode  # this backward's path
+        mode = setup.step_mode
+        if mode == "auto" and not self.per_bucket_overlaps(setup):
+            mode = "fused"  # nothing to time: the per-bucket path would only add optimizer calls
+            log_fixed_choice(self.group, setup.interleaved)
+        self.calibration = Calibration(self.group) if mode == "auto" else None
+        self.mode = "per_bucket" if self.calibration is not None else mode  # this backward's path
         self.settled = False  # DDP has rebuilt its buckets: a plan checked since then stays valid
         self.frozen: dict[int, Any] = {}  # bucket index -> plan, checked after DDP settled
         # Fix every parameter's owner now, for good: the step can then run from iteration 1.
@@ -139,6 +143,10 @@ class Driver:
         return ddp
 
     # -- what subclasses define -------------------------------------------------------------------
+
+    def per_bucket_overlaps(self, setup: Setup) -> bool:
+        """Whether the per-bucket path overlaps any update with backward (else "auto" is "fused")."""
+        return True
 
     def launch(self, state: Any, bucket: dist.GradBucket) -> Any:
         raise NotImplementedError

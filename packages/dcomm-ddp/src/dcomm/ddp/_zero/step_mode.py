@@ -60,6 +60,17 @@ def agree(times: dict[str, float], group: dist.ProcessGroup, device: torch.devic
     return chosen
 
 
+def log_fixed_choice(group: dist.ProcessGroup, interleaved: bool) -> None:
+    """Say once, on the group's first rank, that ``"auto"`` is ``"fused"`` without timing."""
+    if dist.get_rank(group) == 0:
+        builder = "hook_with_zero_step_interleaved" if interleaved else "hook_with_zero_step"
+        logger.info(
+            "ZeRO overlap: step_mode='auto' chose 'fused' without timing: the per-bucket path of %s with "
+            "reduce_scatter=False updates every bucket at the last one too, with one optimizer call per bucket",
+            builder,
+        )
+
+
 class _Mark:
     """A point in time: a CUDA event on the current stream, or the host clock."""
 

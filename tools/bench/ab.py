@@ -26,7 +26,7 @@ import fnmatch
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,7 +227,7 @@ def compare(pair: Pair, variants: dict[str, VariantResult], draws: int = 2000) -
 # Running a case
 
 
-def keep_variants(case: Case, patterns: list[str]) -> Case:
+def keep_variants(case: Case, patterns: Sequence[str]) -> Case:
     """``case`` with only the variants whose names match one of the glob ``patterns``, and their pairs.
 
     Example::

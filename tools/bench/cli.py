@@ -14,6 +14,7 @@ import importlib.metadata
 import json
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -114,7 +115,7 @@ def skipped(case: str, workload: str, precision: str, reason: str) -> CaseResult
 
 
 def run_one(
-    bench: Bench, tier: str, policy: Policy, case: str, workload: str, precision: str, variants: list[str] = ()
+    bench: Bench, tier: str, policy: Policy, case: str, workload: str, precision: str, variants: Sequence[str] = ()
 ) -> CaseResult:
     """One case on one workload and precision; a failure outside its variants becomes an error."""
     # Per-run cases ("-") ignore the workload and precision; they get mlp-wide in fp32.
@@ -122,7 +123,7 @@ def run_one(
     set_tf32(precision not in ("fp32", "-"))
     ctx = Context(bench, model, precision if precision != "-" else "fp32")
     try:
-        return run_case(bench, keep_variants(CASES[case](ctx), list(variants)), policy, workload, precision)
+        return run_case(bench, keep_variants(CASES[case](ctx), variants), policy, workload, precision)
     except Exception as exc:  # reported in the table
         release_memory()
         return skipped(case, workload, precision, f"error: {short_error(exc)}")

@@ -123,7 +123,7 @@ class Driver:
         self.stream: Any = None
         self.fallbacks = 0  # buckets allreduced instead of reduce-scattered once DDP settled
         mode = setup.step_mode
-        if mode == "auto" and not self.per_bucket_overlaps(setup):
+        if mode == "auto" and not self.per_bucket_overlaps():
             mode = "fused"  # nothing to time: the per-bucket path would only add optimizer calls
             log_fixed_choice(self.group, setup.interleaved)
         self.calibration = Calibration(self.group) if mode == "auto" else None
@@ -144,7 +144,7 @@ class Driver:
 
     # -- what subclasses define -------------------------------------------------------------------
 
-    def per_bucket_overlaps(self, setup: Setup) -> bool:
+    def per_bucket_overlaps(self) -> bool:
         """Whether the per-bucket path overlaps any update with backward (else "auto" is "fused")."""
         return True
 

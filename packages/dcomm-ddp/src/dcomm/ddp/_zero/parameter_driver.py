@@ -78,10 +78,10 @@ class ParameterDriver(Driver):
         zero.optim = optimizer_class(zero)(self.local_groups, **private.optim_defaults(zero))
         private.sync_param_groups(zero, zero.optim.param_groups, zero.param_groups)
 
-    def per_bucket_overlaps(self, setup: Setup) -> bool:
+    def per_bucket_overlaps(self) -> bool:
         # Without interleaving every bucket is updated at the last one, as on the fused path but
         # with one optimizer call per bucket: slower in every GPU measurement (4x H100, 2x H200).
-        return setup.interleaved
+        return self.interleaved
 
     # -- planning ---------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from dcomm.core import AveragePlan, allreduce_future, copy_back, plan_average, resolve_group, start_allreduce
+from dcomm.ddp._backward_works import defer_to_last_bucket
 
 __all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
 
@@ -66,9 +67,22 @@ def _cached_plan(group: dist.ProcessGroup, dtype: torch.dtype, device: torch.dev
     return plan_average(group, dtype, device, arithmetic="predivide", nccl_average=False, nccl_premul=False)
 
 
+@functools.lru_cache(maxsize=64)
+def _in_place_plan(group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device) -> AveragePlan:
+    """torch's arithmetic for averaging a bucket in place, with the division inside NCCL's sum when exact.
+
+    NCCL can multiply each rank's input by ``1 / world`` as it sums (``PREMUL_SUM``). For a world
+    size that is a power of two the product is the exact quotient, so the result is bit-identical
+    to dividing first, and the bucket is not read and written once more before the sum.
+    """
+    world = dist.get_world_size(group)
+    exact = world & (world - 1) == 0
+    return plan_average(group, dtype, device, arithmetic="predivide", nccl_average=False, nccl_premul=exact)
+
+
 def _average(group: dist.ProcessGroup, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     """Average ``tensor`` in place over ``group`` (torch's arithmetic); a future of ``tensor``."""
-    plan = _plan(group, tensor, tensor.dtype)
+    plan = _in_place_plan(group, tensor.dtype, tensor.device)
     return allreduce_future(tensor, group, predivide=plan.pre, postdivide=plan.post, op=plan.op)
 
 
@@ -99,17 +113,12 @@ def _called_by_reducer(caller: FrameType | None) -> bool:
     )
 
 
-def _caller_of_hook() -> FrameType | None:
-    """The frame that called the public hook (two frames above this helper's caller)."""
+def _caller_of_hook(depth: int = 3) -> FrameType | None:
+    """The frame that called the public hook, ``depth`` frames above this helper."""
     try:
-        return sys._getframe(3)
+        return sys._getframe(depth)
     except ValueError:  # no Python frame there: called from C++
         return None
-
-
-def _when_done(fut: torch.futures.Future, tensor: torch.Tensor) -> torch.Tensor:
-    fut.wait()  # re-raises a failed collective's error
-    return tensor
 
 
 def _compress_hook(
@@ -132,10 +141,11 @@ def _compress_hook(
         low.copy_(buffer)
     else:
         torch.div(buffer, plan.pre, out=low)  # cast and divide: one kernel
-    fut = start_allreduce(low, group).get_future()  # plan.op is SUM: torch's arithmetic
+    work = start_allreduce(low, group)  # plan.op is SUM: torch's arithmetic
     if _called_by_reducer(_caller_of_hook()):
         # DDP copies the result into the gradients in their own dtype: that copy is the cast back.
-        return fut.then(lambda f: _when_done(f, low))
+        return defer_to_last_bucket(group, work, bucket, low)
+    fut = work.get_future()
 
     def cast_back(fut: torch.futures.Future) -> torch.Tensor:
         fut.wait()
@@ -158,7 +168,13 @@ def allreduce_hook(
         >>> ddp_model.register_comm_hook(None, allreduce_hook)  # doctest: +SKIP
     """
     group = _check_group(process_group, "allreduce_hook")
-    return _average(group, bucket.buffer())
+    buffer = bucket.buffer()
+    if not _called_by_reducer(_caller_of_hook(depth=2)):
+        return _average(group, buffer)
+    plan = _in_place_plan(group, buffer.dtype, buffer.device)
+    if plan.pre != 1.0:
+        buffer.div_(plan.pre)
+    return defer_to_last_bucket(group, start_allreduce(buffer, group, plan.op), bucket, buffer)
 
 
 def fp16_compress_hook(

@@ -1,6 +1,8 @@
 """ZeRO overlap with whole parameters per owner: the default (``reduce_scatter=False``) path.
 
-The wrapped hook averages every bucket (an allreduce). Each parameter has one owner rank (see
+The wrapped hook averages every bucket (an allreduce); when it is an ``allreduce_hook`` the
+driver launches that allreduce itself and waits for it at the last bucket, which saves a future
+callback per bucket on the backward pass's thread. Each parameter has one owner rank (see
 :func:`dcomm.ddp._zero.layout.partition`); the owner steps it with the averaged gradient and
 sends it to the other ranks. A bucket's ZeRO parameters are packed by owner into one flat buffer
 that they become views of: when the owned pieces are nearly equal they are padded to one size
@@ -23,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 import dcomm.ddp._torch_private as private
+from dcomm.core import AveragePlan, completed_future, plan_average, start_allreduce
+from dcomm.ddp._zero.checks import averaging_dtype
 from dcomm.ddp._zero.driver import Driver, Setup, all_gather, all_gathers, averaged_bucket, optimizer_class
 
 
@@ -65,8 +69,9 @@ class _BucketPlan:
 @dataclass
 class _Update:
     plan: _BucketPlan
-    fut: torch.futures.Future
+    fut: torch.futures.Future  # what DDP gets
     buffer_address: int  # of DDP's bucket buffer
+    work: Any = None  # the driver's own allreduce of the bucket (see ParameterDriver.launch)
 
 
 class ParameterDriver(Driver):
@@ -77,6 +82,9 @@ class ParameterDriver(Driver):
         zero = setup.zero
         zero.optim = optimizer_class(zero)(self.local_groups, **private.optim_defaults(zero))
         private.sync_param_groups(zero, zero.optim.param_groups, zero.param_groups)
+        self.averages_itself = _is_allreduce_hook(setup.hook)
+        self.average_plans: dict[tuple[torch.dtype, torch.device], AveragePlan] = {}
+        self.gradient_works: list[Any] = []  # this backward's own allreduces, waited for at its end
 
     def per_bucket_overlaps(self) -> bool:
         # Without interleaving every bucket is updated at the last one, as on the fused path but
@@ -128,7 +136,38 @@ class ParameterDriver(Driver):
 
     def launch(self, state: Any, bucket: dist.GradBucket) -> _Update:
         plan = self.plan(bucket)
-        return _Update(plan, self.hook(state, bucket), bucket.buffer().data_ptr())
+        buffer = bucket.buffer()
+        if not self.averages_itself:
+            return _Update(plan, self.hook(state, bucket), buffer.data_ptr())
+        # The wrapped hook is an allreduce_hook: average the bucket here, as DDP's built-in
+        # reduction does (a premultiplied sum on NCCL), and hand DDP a completed future. The
+        # allreduces are waited for at the last bucket, before DDP reads any bucket, so no bucket
+        # pays for a future callback on the backward pass's thread.
+        average = self._average_plan(buffer)
+        if average.pre != 1.0:
+            buffer.div_(average.pre)
+        work = start_allreduce(buffer, self.group, average.op)
+        self.gradient_works.append(work)
+        return _Update(plan, completed_future(buffer), buffer.data_ptr(), work)
+
+    def _average_plan(self, buffer: torch.Tensor) -> AveragePlan:
+        key = (buffer.dtype, buffer.device)
+        plan = self.average_plans.get(key)
+        if plan is None:
+            plan = self.average_plans[key] = plan_average(
+                self.group, buffer.dtype, buffer.device, arithmetic="predivide", nccl_average=False
+            )
+        return plan
+
+    def end_backward(self) -> None:
+        # Before DDP copies any bucket into the gradients (a stream wait on CUDA).
+        works, self.gradient_works = self.gradient_works, []
+        for work in works:
+            work.wait()
+
+    def reset(self) -> None:
+        self.gradient_works.clear()
+        super().reset()
 
     def complete(self, item: _Update) -> None:
         """Wait for the bucket's averaged gradient, step this rank's share, send it out."""
@@ -153,7 +192,11 @@ class ParameterDriver(Driver):
     def _owned_grads(self, item: _Update) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(param, averaged gradient)`` of the parameters this rank owns in the bucket."""
         plan = item.plan
-        grad = averaged_bucket(item.fut.wait(), plan.numel)
+        if item.work is not None:
+            item.work.wait()  # on the side stream on CUDA
+            grad = item.fut.value()
+        else:
+            grad = averaged_bucket(item.fut.wait(), plan.numel)
         mine = plan.mine
         if mine is None:
             return []
@@ -204,3 +247,11 @@ class ParameterDriver(Driver):
         finally:
             for (p, _), g in zip(owned, saved, strict=True):
                 p.grad = g
+
+
+def _is_allreduce_hook(hook: object) -> bool:
+    """Whether ``hook`` is dcomm's or torch's ``allreduce_hook``, which the driver can replace."""
+    try:
+        return averaging_dtype(hook) is None
+    except ValueError:
+        return False

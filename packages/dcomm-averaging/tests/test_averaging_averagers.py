@@ -7,6 +7,7 @@ rank, so after averaging over a group the nonzero entries are exactly that group
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -171,22 +172,32 @@ def _bad_inputs(rank: int, world: int) -> None:
         "period_group_size_dict: group size 3 does not divide the world size 4; use sizes that divide 4, "
         "e.g. {2: 2, 4: 4}"
     )
-    cases = [
-        ({}, r"expected a non-empty mapping of period to group size, got \{\}.*e\.g\. \{2: 2, 4: 4\}"),
-        (None, r"expected a non-empty mapping of period to group size, got None.*e\.g\. \{2: 2, 4: 4\}"),
-        ([(2, 4)], r"expected a non-empty mapping .*got \[\(2, 4\)\]"),
-        ({0: 2, 4: 4}, r"period 0 is not a positive int.*e\.g\. \{2: 2, 4: 4\}"),
-        ({-3: 4}, r"period -3 is not a positive int"),
-        ({2.0: 4}, r"period 2\.0 is not a positive int"),
-        ({4: 2, 2: 4}, r"periods must increase, but 2 comes after 4.*e\.g\. \{2: 2, 4: 4\}"),
-        ({2: 2, 2.5: 4}, r"period 2\.5 is not a positive int"),
-        ({2: 0, 4: 4}, r"group size 0 is not a positive int"),
-        ({2: 8, 4: 4}, r"group size 8 does not divide the world size 4; use sizes that divide 4, e\.g\. \{2: 4"),
-        ({2: 2, 4: 2}, r"the last group size 2 must be the size of process_group \(4\).*e\.g\. \{2: 2, 4: 4\}"),
-        ({8: 4, 2: 2}, r"periods must increase, but 2 comes after 8"),
+    cases: list[tuple[Any, type[Exception], str]] = [
+        ({}, ValueError, r"expected a non-empty mapping of period to group size, got \{\}.*e\.g\. \{2: 2, 4: 4\}"),
+        (None, ValueError, r"expected a non-empty mapping of period to group size, got None.*e\.g\. \{2: 2, 4: 4\}"),
+        ([(2, 4)], TypeError, r"expected a non-empty mapping .*got \[\(2, 4\)\].*e\.g\. \{2: 2, 4: 4\}"),
+        ({0: 2, 4: 4}, ValueError, r"period 0 is not a positive int.*e\.g\. \{2: 2, 4: 4\}"),
+        ({-3: 4}, ValueError, r"period -3 is not a positive int"),
+        ({2.0: 4}, TypeError, r"period 2\.0 is not a positive int"),
+        ({True: 4}, TypeError, r"period True is not a positive int"),
+        ({4: 2, 2: 4}, ValueError, r"periods must increase, but 2 comes after 4.*e\.g\. \{2: 2, 4: 4\}"),
+        ({2: 2, 2.5: 4}, TypeError, r"period 2\.5 is not a positive int"),
+        ({2: 0, 4: 4}, ValueError, r"group size 0 is not a positive int"),
+        ({2: "2", 4: 4}, TypeError, r"group size '2' is not a positive int.*e\.g\. \{2: 2, 4: 4\}"),
+        (
+            {2: 8, 4: 4},
+            ValueError,
+            r"group size 8 does not divide the world size 4; use sizes that divide 4, e\.g\. \{2: 4",
+        ),
+        (
+            {2: 2, 4: 2},
+            ValueError,
+            r"the last group size 2 must be the size of process_group \(4\).*e\.g\. \{2: 2, 4: 4\}",
+        ),
+        ({8: 4, 2: 2}, ValueError, r"periods must increase, but 2 comes after 8"),
     ]
-    for bad, message in cases:
-        with pytest.raises(ValueError, match=r"^period_group_size_dict: " + message):
+    for bad, error, message in cases:
+        with pytest.raises(error, match=r"^period_group_size_dict: " + message):
             HierarchicalModelAverager(bad)  # type: ignore[arg-type]
     # Torch accepts some of these and fails later or averages wrongly; ours fails before creating
     # any group, so the world is still usable: a collective right after completes.

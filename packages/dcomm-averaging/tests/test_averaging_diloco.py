@@ -241,7 +241,9 @@ def _validation(rank: int, world: int) -> None:
         ({"fragment_sync_delay": -1}, ValueError, "fragment_sync_delay"),
         ({"fragment_sync_delay": 4}, ValueError, "fragment_sync_delay: 4 must be smaller than sync_every=4"),
         ({"compression": "int3"}, ValueError, "compression"),
-        ({"fragment_update_alpha": 1.0}, ValueError, "fragment_update_alpha"),
+        ({"fragment_update_alpha": 1.0}, ValueError, r"fragment_update_alpha: expected a number in \[0, 1\), got 1\.0"),
+        ({"fragment_update_alpha": "0.5"}, TypeError, r"fragment_update_alpha: expected a number in .*, got '0\.5'"),
+        ({"fragment_update_alpha": True}, TypeError, "fragment_update_alpha: expected a number in .* got True"),
         ({"offload_global": 1}, TypeError, "offload_global"),
     ]
     for change, error, message in bad_args:
@@ -270,18 +272,19 @@ def _validation(rank: int, world: int) -> None:
         target[path[-1]] = value
         return state
 
-    broken: list[tuple[Any, str]] = [
-        ([], "state_dict"),
-        (corrupted(["step"], -1), "step"),
-        (corrupted(["diloco", "config", "compression"], None), "compression"),
-        (corrupted(["diloco", "global", 0], torch.zeros(3)), r"global'\]\[0\]"),
-        (corrupted(["diloco", "feedback", 1], None), "feedback"),
-        (corrupted(["diloco", "pending", 0, "apply_step"], 99), "pending"),
-        (corrupted(["diloco", "outer", "param_groups"], []), "outer"),
-        (corrupted(["param_groups"], []), "param_groups"),
+    broken: list[tuple[Any, type[Exception], str]] = [
+        ([], TypeError, "state_dict: expected the dict DiLoCoOptimizer.state_dict.. returns, got list"),
+        ({"step": 1}, ValueError, "state_dict: expected keys"),
+        (corrupted(["step"], -1), ValueError, "step"),
+        (corrupted(["diloco", "config", "compression"], None), ValueError, "compression"),
+        (corrupted(["diloco", "global", 0], torch.zeros(3)), ValueError, r"global'\]\[0\]"),
+        (corrupted(["diloco", "feedback", 1], None), ValueError, "feedback"),
+        (corrupted(["diloco", "pending", 0, "apply_step"], 99), ValueError, "pending"),
+        (corrupted(["diloco", "outer", "param_groups"], []), ValueError, "outer"),
+        (corrupted(["param_groups"], []), ValueError, "param_groups"),
     ]
-    for state_dict, message in broken:
-        with pytest.raises(ValueError, match=message):
+    for state_dict, error, message in broken:
+        with pytest.raises(error, match=message):
             opt.load_state_dict(state_dict)
         after = _snapshot(opt)
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), f"{message}: half-applied load"

@@ -68,9 +68,11 @@ def test_state_and_collectives(world: int) -> None:
 def _low_precision_state(rank: int, world: int) -> None:
     state = LowPrecisionState(dist.group.WORLD, parameter_type=torch.float64)
     assert state.parameter_type is torch.float64
-    with pytest.raises(ValueError, match="parameter_type"):
+    with pytest.raises(ValueError, match=r"parameter_type: expected a floating-point torch.dtype, got torch.int32"):
         LowPrecisionState(dist.group.WORLD, parameter_type=torch.int32)
-    with pytest.raises(ValueError, match="process_group"):
+    with pytest.raises(TypeError, match=r"parameter_type: expected a floating-point torch.dtype, got 'float32'; pass"):
+        LowPrecisionState(dist.group.WORLD, parameter_type="float32")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="process_group: expected a ProcessGroup for DefaultState, got None; pass"):
         DefaultState(None)  # type: ignore[arg-type]
 
 

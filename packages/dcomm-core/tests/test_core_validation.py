@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
 
-from dcomm.core.validation import even_int, non_negative_number, positive_number
+from dcomm.core.validation import even_int, non_negative_number, positive_number, process_group_or_none
 
 
 @pytest.mark.parametrize(
@@ -39,3 +40,15 @@ def test_numbers_accept() -> None:
     assert non_negative_number("eps", 0, "") == 0.0
     assert isinstance(non_negative_number("eps", 0, ""), float)
     assert positive_number("eps", 2, "") == 2.0
+
+
+@pytest.mark.parametrize(("value", "got"), [(3, "int"), ("WORLD", "str"), ([0, 1], "list")])
+def test_process_group_refuses_other_types(value: object, got: str) -> None:
+    with pytest.raises(TypeError, match=rf"^subgroup: expected a ProcessGroup or None, got {got}; pass None$"):
+        process_group_or_none("subgroup", value, "pass None")
+
+
+def test_process_group_refuses_non_member_and_accepts_none() -> None:
+    with pytest.raises(ValueError, match=r"^process_group: this rank is not a member .*NON_GROUP_MEMBER.*; pass None$"):
+        process_group_or_none("process_group", dist.GroupMember.NON_GROUP_MEMBER, "pass None")
+    assert process_group_or_none("process_group", None, "") is None

@@ -246,7 +246,7 @@ def test_hook_rejects_other_states() -> None:
         r"torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook.PostLocalSGDState, got "
         r"builtins.NoneType \(no process_group, subgroup, .*maybe_increase_iter\)"
     )
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(TypeError, match=match):
         post_localSGD_hook(None, None)  # type: ignore[arg-type]
 
 

@@ -9,6 +9,7 @@ import copy
 import functools
 import inspect
 import io
+import pickle
 from collections.abc import Callable
 
 import numpy as np
@@ -223,11 +224,17 @@ def test_state_arguments_and_bad_state_dict() -> None:
         PowerSGDState(None, matrix_approximation_rank=2.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="orthogonalization_epsilon: expected a non-negative number, got nan"):
         PowerSGDState(None, orthogonalization_epsilon=float("nan"))
-    with pytest.raises(ValueError, match="random_seed"):
+    with pytest.raises(ValueError, match=r"random_seed: expected an int in \[0, 2\*\*32\), got -1; pass e\.g\. 0"):
         PowerSGDState(None, random_seed=-1)
+    with pytest.raises(TypeError, match=r"random_seed: expected an int in \[0, 2\*\*32\), got 1\.5"):
+        PowerSGDState(None, random_seed=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="process_group: expected a ProcessGroup or None, got str; pass None"):
+        PowerSGDState("WORLD")  # type: ignore[arg-type]
     state = PowerSGDState(None, matrix_approximation_rank=2)
     saved = state.state_dict()
     state.iter = 7
+    with pytest.raises(TypeError, match=r"state_dict: expected the mapping PowerSGDState.state_dict\(\) returns"):
+        state.load_state_dict([("iter", 3)])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="missing keys"):
         state.load_state_dict({"iter": 3})
     other = PowerSGDState(None, matrix_approximation_rank=4).state_dict()
@@ -236,10 +243,27 @@ def test_state_arguments_and_bad_state_dict() -> None:
     bad = dict(saved, iter=-2, error_dict={0: torch.zeros(2)})
     with pytest.raises(ValueError, match="iter"):
         state.load_state_dict(bad)
+    bad = dict(saved, iter=3, error_dict={0: [0.0, 1.0]})
+    with pytest.raises(TypeError, match=r"state_dict\['error_dict'\]: expected a mapping of bucket index to tensor"):
+        state.load_state_dict(bad)
+    bad = dict(saved, iter=3, error_dict={0: torch.zeros(2)}, layouts=[(0, ())])
+    with pytest.raises(TypeError, match=r"state_dict\['layouts'\]: expected a mapping of bucket index to layout"):
+        state.load_state_dict(bad)
     assert state.iter == 7  # a rejected dict changes nothing
     assert state.error_dict == {}
-    with pytest.raises(ValueError, match="expects a PowerSGDState"):
+    with pytest.raises(TypeError, match="state: powerSGD_hook expects a PowerSGDState, got NoneType"):
         powerSGD_hook(None, None)  # type: ignore[arg-type]
+
+
+def test_state_pickles_without_its_group() -> None:
+    state = PowerSGDState(None, matrix_approximation_rank=2, random_seed=7)
+    state.iter, state.error_dict[0] = 5, torch.arange(3.0)
+    copied = pickle.loads(pickle.dumps(state))
+    assert copied.process_group is None
+    assert copied.iter == 5
+    assert copied.matrix_approximation_rank == 2
+    assert torch.equal(copied.error_dict[0], state.error_dict[0])
+    assert copied.rng.randint(10**9) == state.rng.randint(10**9)
 
 
 @pytest.mark.parametrize("name", ["PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook"])

@@ -203,16 +203,23 @@ def test_state_arguments_and_bad_state_dict() -> None:
         QuantizedState(None, block_size=3)
     with pytest.raises(TypeError, match=r"block_size: expected an even int >= 2, got 4\.0"):
         QuantizedState(None, block_size=4.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="process_group: expected a ProcessGroup or None, got int; pass None"):
+        QuantizedState(3)  # type: ignore[arg-type]
     state = QuantizedState(None, block_size=BLOCK)
     state.bytes_sent = 5
+    with pytest.raises(TypeError, match=r"state_dict: expected the mapping QuantizedState.state_dict\(\) returns"):
+        state.load_state_dict(None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="missing keys"):
         state.load_state_dict({"bytes_sent": 1})
     with pytest.raises(ValueError, match=r"block_size.*construct QuantizedState"):
         state.load_state_dict(QuantizedState(None).state_dict())
     with pytest.raises(ValueError, match="bytes_sent"):
         state.load_state_dict(dict(state.state_dict(), bytes_sent=-1))
+    bad = dict(state.state_dict(), bytes_sent=9, shard_error_dict=[torch.zeros(2)])
+    with pytest.raises(TypeError, match=r"state_dict\['shard_error_dict'\]: expected a mapping .* got list"):
+        state.load_state_dict(bad)
     assert state.bytes_sent == 5
-    with pytest.raises(ValueError, match="expects a QuantizedState or None"):
+    with pytest.raises(TypeError, match="state: int8_compress_hook expects a QuantizedState or None, got str"):
         int8_compress_hook("WORLD", Bucket(torch.ones(4)))  # type: ignore[arg-type]
 
 

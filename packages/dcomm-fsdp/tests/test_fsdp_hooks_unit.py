@@ -184,14 +184,14 @@ def _bad_input(rank: int, world: int) -> None:
     group = dist.group.WORLD
     grad = torch.ones(4)
     for hook in (allreduce_hook, fp16_compress_hook, bf16_compress_hook):
-        with pytest.raises(ValueError, match=r"state: .* got None; pass .*State\(dist.group.WORLD\)"):
+        with pytest.raises(TypeError, match=r"state: .* got None; pass .*State\(dist.group.WORLD\)"):
             hook(None, grad)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=r"state: .*process_group is None"):
             hook(types.SimpleNamespace(process_group=None), grad)  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match=r"state: .*got <.*ProcessGroup"):
+        with pytest.raises(TypeError, match=r"state: .*got <.*ProcessGroup"):
             hook(group, grad)  # type: ignore[arg-type]
     for hook in (fp16_compress_hook, bf16_compress_hook):
-        with pytest.raises(ValueError, match=r"state: .*parameter_type.*DefaultState has none; pass LowPrecisionState"):
+        with pytest.raises(TypeError, match=r"state: .*parameter_type.*DefaultState has none; pass LowPrecisionState"):
             hook(DefaultState(group), grad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"state: reduce_scatter_hook .*2 ranks.*gradient of 6 elements.*shard of 2"):
         reduce_scatter_hook(DefaultState(group), torch.ones(6), torch.empty(2))
@@ -201,14 +201,16 @@ def _bad_input(rank: int, world: int) -> None:
     def model(strategy: ShardingStrategy, **kw: object) -> FSDP:
         return FSDP(nn.Linear(3, 2), sharding_strategy=strategy, device_id=torch.device("cpu"), **kw)
 
-    with pytest.raises(ValueError, match=r"module: expected the root FullyShardedDataParallel.*got Linear"):
+    with pytest.raises(TypeError, match=r"module: expected the root FullyShardedDataParallel.*got Linear"):
         register_comm_hook(nn.Linear(2, 2), DefaultState(group), allreduce_hook)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"hook: reduce_scatter_hook needs a sharded.*NO_SHARD.*allreduce_hook"):
         register_comm_hook(model(ShardingStrategy.NO_SHARD), DefaultState(group), reduce_scatter_hook)
     with pytest.raises(ValueError, match=r"hook: allreduce_hook serves NO_SHARD.*FULL_SHARD.*reduce_scatter_hook"):
         register_comm_hook(model(ShardingStrategy.FULL_SHARD), DefaultState(group), allreduce_hook)
-    with pytest.raises(ValueError, match=r"state: .*LowPrecisionState"):
+    with pytest.raises(TypeError, match=r"state: .*LowPrecisionState"):
         register_comm_hook(model(ShardingStrategy.FULL_SHARD), DefaultState(group), fp16_compress_hook)
+    with pytest.raises(TypeError, match=r"hook: expected a callable such as dcomm\.fsdp\.allreduce_hook, got 'ar'"):
+        register_comm_hook(model(ShardingStrategy.NO_SHARD), DefaultState(group), "ar")  # type: ignore[arg-type]
     singles = [dist.new_group([r]) for r in range(world)]
     with pytest.raises(ValueError, match=r"state: its process_group has 1 ranks but the module shards over 2"):
         register_comm_hook(model(ShardingStrategy.FULL_SHARD), LowPrecisionState(singles[rank]), bf16_compress_hook)

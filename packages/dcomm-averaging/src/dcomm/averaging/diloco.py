@@ -139,8 +139,11 @@ class DiLoCoOptimizer(WrappingOptimizer):
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression: expected one of {COMPRESSIONS}, got {compression!r}")
         alpha = fragment_update_alpha
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha < 1.0:
-            raise ValueError(f"fragment_update_alpha: expected a number in [0, 1), got {alpha!r}; pass 0 (the default)")
+        is_number = isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
+        if not is_number or not 0.0 <= alpha < 1.0:
+            raise (ValueError if is_number else TypeError)(
+                f"fragment_update_alpha: expected a number in [0, 1), got {alpha!r}; pass 0 (the default)"
+            )
         self.compression = compression
         self.fragment_update_alpha = float(alpha)
         self.offload_global = boolean("offload_global", offload_global, "pass True to keep g in CPU memory")
@@ -399,7 +402,10 @@ class DiLoCoOptimizer(WrappingOptimizer):
     def _validated(self, state_dict: Any) -> dict[str, Any]:
         """``state_dict["diloco"]`` after checking every part of ``state_dict`` against this optimizer."""
         fix = "pass what DiLoCoOptimizer.state_dict() returned"
-        if not isinstance(state_dict, dict) or not {"state", "param_groups", "step", "diloco"} <= state_dict.keys():
+        if not isinstance(state_dict, dict):
+            got = type(state_dict).__name__
+            raise TypeError(f"state_dict: expected the dict DiLoCoOptimizer.state_dict() returns, got {got}; {fix}")
+        if not {"state", "param_groups", "step", "diloco"} <= state_dict.keys():
             raise ValueError(f"state_dict: expected keys 'state', 'param_groups', 'step', 'diloco'; {fix}")
         step = state_dict["step"]
         non_negative_int("state_dict['step']", step, fix)

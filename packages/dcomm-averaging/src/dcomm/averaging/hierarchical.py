@@ -48,8 +48,12 @@ MAX_PERIOD_ONE_WARNING = (
 )
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return _is_int(value) and value > 0
 
 
 def _example_periods(items: list[tuple[Any, Any]]) -> list[int]:
@@ -82,28 +86,35 @@ def _example(period_group_size_dict: Any, world: int) -> dict[int, int]:
 
 
 def _validate(period_group_size_dict: Any, world: int) -> OrderedDict[int, int]:
-    """The checked map, or a ValueError naming the argument, the value and the fix."""
+    """The checked map; else a TypeError (not a mapping or None, a period or size not an int) or a ValueError.
+
+    Either names the argument, the value and the fix.
+    """
     name = "period_group_size_dict"
 
-    def fail(problem: str) -> ValueError:
-        return ValueError(
+    def fail(problem: str, kind: type[Exception] = ValueError) -> Exception:
+        return kind(
             f"{name}: {problem}; use increasing periods mapped to group sizes that divide {world} "
             f"and end with {world}, e.g. {_example(period_group_size_dict, world)}"
         )
 
     if not isinstance(period_group_size_dict, Mapping) or not period_group_size_dict:
-        raise fail(f"expected a non-empty mapping of period to group size, got {period_group_size_dict!r}")
+        # None is the default (torch's too): a missing map, not one of the wrong type.
+        is_map = period_group_size_dict is None or isinstance(period_group_size_dict, Mapping)
+        problem = f"expected a non-empty mapping of period to group size, got {period_group_size_dict!r}"
+        raise fail(problem, ValueError if is_map else TypeError)
     periods = list(period_group_size_dict.keys())
     sizes = list(period_group_size_dict.values())
     for period in periods:
         if not _is_positive_int(period):
-            raise fail(f"period {period!r} is not a positive int (periods are steps between averagings)")
+            kind = ValueError if _is_int(period) else TypeError
+            raise fail(f"period {period!r} is not a positive int (periods are steps between averagings)", kind)
     for before, after in itertools.pairwise(periods):
         if after <= before:
             raise fail(f"periods must increase, but {after} comes after {before}")
     for size in sizes:
         if not _is_positive_int(size):
-            raise fail(f"group size {size!r} is not a positive int")
+            raise fail(f"group size {size!r} is not a positive int", ValueError if _is_int(size) else TypeError)
         if world % size:
             raise ValueError(
                 f"{name}: group size {size} does not divide the world size {world}; use sizes that "
@@ -121,10 +132,11 @@ class HierarchicalModelAverager(ModelAverager):
 
     At a call with ``step >= warmup_steps``, the group of the largest period in
     ``period_group_size_dict`` that divides ``step`` averages; ``step`` increments every call.
-    Rejected with a ``ValueError`` (argument, value, fix): an empty map, a period that is not a
-    positive int, periods that do not increase, a group size that does not divide the size of
+    Rejected with a ``ValueError`` (argument, value, fix): an empty map, a period or group size
+    below 1, periods that do not increase, a group size that does not divide the size of
     ``process_group`` (WORLD when None) or a last size different from it, a negative
-    ``warmup_steps``. A largest period of 1 warns, as torch does. Group creation is collective:
+    ``warmup_steps``; with a ``TypeError``: a map that is not a mapping, a period or group size
+    that is not an int. A largest period of 1 warns, as torch does. Group creation is collective:
     every rank of the default group must build the averager.
 
     Attributes match torch's: ``period_process_group_dict`` maps each period to the group of

@@ -81,7 +81,8 @@ class LowPrecisionState(DefaultState):
     ) -> None:
         super().__init__(process_group)
         if not isinstance(parameter_type, torch.dtype) or not parameter_type.is_floating_point:
-            raise ValueError(
+            kind = ValueError if isinstance(parameter_type, torch.dtype) else TypeError
+            raise kind(
                 f"parameter_type: expected a floating-point torch.dtype, got {parameter_type!r}; "
                 "pass the dtype of the model's parameters, e.g. torch.float32"
             )

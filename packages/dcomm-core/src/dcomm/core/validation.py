@@ -18,6 +18,8 @@ import warnings
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+import torch.distributed as dist
+
 __all__ = [
     "boolean",
     "check_state_dict",
@@ -27,6 +29,7 @@ __all__ = [
     "one_of",
     "positive_int",
     "positive_number",
+    "process_group_or_none",
 ]
 
 
@@ -134,6 +137,31 @@ def one_of(name: str, value: Any, choices: Collection[Any], fix: str) -> Any:
     """
     if value not in choices:
         raise _fail(ValueError, name, f"one of {list(choices)}", value, fix)
+    return value
+
+
+def process_group_or_none(name: str, value: Any, fix: str) -> dist.ProcessGroup | None:
+    """``value`` if it is None or a group holding this rank; else a TypeError or ValueError.
+
+    A value that is not a ``ProcessGroup`` is a TypeError (named by its type: a group's repr says
+    little); ``dist.GroupMember.NON_GROUP_MEMBER``, what ``dist.new_group`` returns on the ranks
+    outside the group, is a ValueError.
+
+    Example::
+
+        >>> process_group_or_none("process_group", 3, "pass None for the default group")
+        Traceback (most recent call last):
+        TypeError: process_group: expected a ProcessGroup or None, got int; pass None for the default group
+    """
+    if value is None:
+        return None
+    if value is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"{name}: this rank is not a member of the group it was given (dist.new_group returned "
+            f"NON_GROUP_MEMBER here); {fix}"
+        )
+    if not isinstance(value, dist.ProcessGroup):
+        raise TypeError(f"{name}: expected a ProcessGroup or None, got {type(value).__name__}; {fix}")
     return value
 
 

@@ -46,8 +46,11 @@ class SeedStream:
     __slots__ = ("_random",)
 
     def __init__(self, seed: int) -> None:
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-            raise ValueError(f"random_seed: expected an int in [0, 2**32), got {seed!r}")
+        is_int = isinstance(seed, int) and not isinstance(seed, bool)
+        if not is_int or not 0 <= seed < 2**32:
+            raise (ValueError if is_int else TypeError)(
+                f"random_seed: expected an int in [0, 2**32), got {seed!r}; pass e.g. 0 (the default)"
+            )
         self._random = random.Random()
         self._random.setstate((3, (*_twister_state(seed), _N), None))
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dcomm.core import allreduce_future, completed_future, get_logger, intra_node_subgroups, plan_average, resolve_group
-from dcomm.core.validation import boolean, check_state_dict, non_negative_int
+from dcomm.core.validation import boolean, check_state_dict, non_negative_int, process_group_or_none
 
 __all__ = ["PostLocalSGDState", "post_localSGD_hook"]
 
@@ -39,19 +39,6 @@ _STATE_KEYS = ("iter", "start_localSGD_iter", "post_local_gradient_allreduce")
 
 def _check_iter(name: str, value: object) -> int:
     return non_negative_int(name, value, "pass what PostLocalSGDState.state_dict() returned")
-
-
-def _check_group(name: str, value: object, fix: str) -> dist.ProcessGroup | None:
-    if value is None:
-        return None
-    if value is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(
-            f"{name}: this rank is not a member of the group it was given (dist.new_group returned "
-            f"NON_GROUP_MEMBER here); {fix}"
-        )
-    if not isinstance(value, dist.ProcessGroup):
-        raise TypeError(f"{name}: expected a ProcessGroup or None, got {type(value).__name__}; {fix}")
-    return value
 
 
 class PostLocalSGDState:
@@ -96,10 +83,10 @@ class PostLocalSGDState:
         start_localSGD_iter: int,
         post_local_gradient_allreduce: bool = True,
     ) -> None:
-        self.process_group = _check_group(
+        self.process_group = process_group_or_none(
             "process_group", process_group, "pass the group to average over before the switch, or None"
         )
-        self.subgroup = _check_group(
+        self.subgroup = process_group_or_none(
             "subgroup",
             subgroup,
             "pass the group holding this rank to average within after the switch, or None for one group per node",
@@ -184,7 +171,7 @@ def _check_foreign_state(state: object) -> None:
     missing = [name for name in _STATE_ATTRIBUTES if not hasattr(state, name)]
     if missing:
         kind = type(state)
-        raise ValueError(
+        raise TypeError(
             f"state: post_localSGD_hook expects a dcomm.ddp.PostLocalSGDState or a "
             f"torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook.PostLocalSGDState, got "
             f"{kind.__module__}.{kind.__qualname__} (no {', '.join(missing)}); register it as "

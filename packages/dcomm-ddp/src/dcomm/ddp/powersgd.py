@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from dcomm.core import allreduce_future, keep_until_stream_done, resolve_group
 from dcomm.core.validation import boolean, non_negative_int, non_negative_number, positive_int
+from dcomm.ddp._hook_state import ResumableHookState
 from dcomm.ddp._ordered_chain import OrderedChain
 from dcomm.ddp._seed_stream import SeedStream
 
@@ -46,20 +47,17 @@ __all__ = ["PowerSGDState", "batched_powerSGD_hook", "powerSGD_hook"]
 
 logger = logging.getLogger(__name__)
 
-# Settings saved with the memory: a state restores only into one built with the same ones.
-_SETTINGS = (
-    "matrix_approximation_rank",
-    "min_compression_rate",
-    "use_error_feedback",
-    "warm_start",
-    "orthogonalization_epsilon",
-    "batch_tensors_with_same_shape",
+# Progress saved with the memory: counters restored from a checkpoint.
+_COUNTERS = (
+    "iter",
+    "start_powerSGD_iter",
+    "total_numel_before_compression",
+    "total_numel_after_compression",
+    "next_stats_report",
 )
-_COUNTERS = ("iter", "start_powerSGD_iter", "total_numel_before_compression", "total_numel_after_compression")
-_MEMORY = ("error_dict", "p_memory_dict", "q_memory_dict")
 
 
-class PowerSGDState:
+class PowerSGDState(ResumableHookState):
     """Settings and memory of :func:`powerSGD_hook` and :func:`batched_powerSGD_hook`.
 
     Args:
@@ -88,18 +86,15 @@ class PowerSGDState:
     """
 
     __slots__ = (
-        "_chain",
         "_layouts",
         "batch_tensors_with_same_shape",
         "compression_stats_logging_frequency",
-        "error_dict",
         "iter",
         "matrix_approximation_rank",
         "min_compression_rate",
         "next_stats_report",
         "orthogonalization_epsilon",
         "p_memory_dict",
-        "process_group",
         "q_memory_dict",
         "rng",
         "start_powerSGD_iter",
@@ -108,6 +103,17 @@ class PowerSGDState:
         "use_error_feedback",
         "warm_start",
     )
+
+    # Settings saved with the memory: a state restores only into one built with the same ones.
+    _SETTINGS = (
+        "matrix_approximation_rank",
+        "min_compression_rate",
+        "use_error_feedback",
+        "warm_start",
+        "orthogonalization_epsilon",
+        "batch_tensors_with_same_shape",
+    )
+    _MEMORY = ("error_dict", "p_memory_dict", "q_memory_dict")
 
     def __init__(
         self,
@@ -122,9 +128,7 @@ class PowerSGDState:
         compression_stats_logging_frequency: int = 10_000,
         batch_tensors_with_same_shape: bool = False,
     ) -> None:
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise ValueError(f"process_group: expected a ProcessGroup or None, got {type(process_group).__name__}")
-        self.process_group = process_group
+        super().__init__(process_group)
         self.matrix_approximation_rank = positive_int(
             "matrix_approximation_rank", matrix_approximation_rank, "pass the rank of the approximation, e.g. 4"
         )
@@ -143,12 +147,10 @@ class PowerSGDState:
             "batch_tensors_with_same_shape", batch_tensors_with_same_shape, "pass True or False"
         )
         self.rng = SeedStream(random_seed)
-        self.error_dict: dict[int, torch.Tensor] = {}
         self.p_memory_dict: dict[int, torch.Tensor] = {}
         self.q_memory_dict: dict[int, torch.Tensor] = {}
         # Each bucket's layout when its memory was made, to spot DDP's bucket rebuild.
         self._layouts: dict[int, tuple] = {}
-        self._chain = OrderedChain()
         self.iter = 0
         self.total_numel_before_compression = 0
         self.total_numel_after_compression = 0
@@ -179,71 +181,40 @@ class PowerSGDState:
         before, after = self.total_numel_before_compression, self.total_numel_after_compression
         return (before / after if after > 0 else 0, before, after)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed job needs: counters, random stream, error and P/Q memory, settings.
+    def _progress(self) -> dict[str, Any]:
+        counters = {key: getattr(self, key) for key in _COUNTERS}
+        return {**counters, "rng": self.rng.state(), "layouts": dict(self._layouts)}
 
-        The tensors are copies, so the returned dict does not change as training goes on.
+    def _progress_checks(self, fix: str) -> dict[str, Callable[[str, Any], Any]]:
+        def count(name: str, value: Any) -> int:
+            return non_negative_int(name, value, fix)
 
-        Example::
+        def stream(name: str, value: Any) -> SeedStream:
+            rng = SeedStream(0)
+            try:
+                rng.set_state(list(value))
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"{name}: not a saved random stream ({err}); {fix}") from err
+            return rng
 
-            >>> torch.save({"model": ..., "powersgd": state.state_dict()}, "ckpt.pt")  # doctest: +SKIP
-        """
-        out: dict[str, Any] = {key: getattr(self, key) for key in _SETTINGS + _COUNTERS}
-        out["next_stats_report"] = self.next_stats_report
-        out["rng"] = self.rng.state()
-        for key in _MEMORY:
-            out[key] = {index: tensor.detach().clone() for index, tensor in getattr(self, key).items()}
-        out["layouts"] = dict(self._layouts)
-        return out
+        def layouts(name: str, value: Any) -> dict[int, tuple]:
+            if not isinstance(value, Mapping):
+                got = type(value).__name__
+                raise TypeError(f"{name}: expected a mapping of bucket index to layout, got {got}; {fix}")
+            return dict(value)
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved, into this (possibly already registered) state.
+        return {**dict.fromkeys(_COUNTERS, count), "rng": stream, "layouts": layouts}
 
-        The settings must equal this state's; tensors move to each bucket's device on first use.
-        Nothing changes when the dict is rejected.
-
-        Example::
-
-            >>> state = PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=10)  # doctest: +SKIP
-            >>> state.load_state_dict(torch.load("ckpt.pt")["powersgd"])  # doctest: +SKIP
-        """
-        fix = "pass what PowerSGDState.state_dict() returned"
-        if not isinstance(state_dict, Mapping):
-            raise ValueError(f"state_dict: expected a mapping, got {type(state_dict).__name__}; {fix}")
-        keys = (*_SETTINGS, *_COUNTERS, "next_stats_report", "rng", *_MEMORY, "layouts")
-        missing = [key for key in keys if key not in state_dict]
-        if missing:
-            raise ValueError(f"state_dict: missing keys {missing}; {fix}")
-        for key in _SETTINGS:
-            if state_dict[key] != getattr(self, key):
-                raise ValueError(
-                    f"state_dict['{key}']: saved {state_dict[key]!r}, this state has {getattr(self, key)!r}; "
-                    f"construct PowerSGDState with {key}={state_dict[key]!r} to resume"
-                )
-        counters = {key: non_negative_int(f"state_dict['{key}']", state_dict[key], fix) for key in _COUNTERS}
-        next_report = non_negative_int("state_dict['next_stats_report']", state_dict["next_stats_report"], fix)
-        memory = {}
-        for key in _MEMORY:
-            tensors = state_dict[key]
-            if not isinstance(tensors, Mapping) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
-                raise ValueError(f"state_dict['{key}']: expected a mapping of bucket index to tensor; {fix}")
-            memory[key] = {int(index): tensor.detach().clone() for index, tensor in tensors.items()}
-        rng = SeedStream(0)
-        try:
-            rng.set_state(list(state_dict["rng"]))
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"state_dict['rng']: not a saved random stream ({err}); {fix}") from err
-        for key, value in counters.items():
-            setattr(self, key, value)
-        self.next_stats_report = next_report
-        self.rng = rng
-        for key, buffers in memory.items():
-            setattr(self, key, buffers)
-        self._layouts = dict(state_dict["layouts"])
+    def _restore(self, progress: dict[str, Any]) -> None:
+        for key in _COUNTERS:
+            setattr(self, key, progress[key])
+        self.rng = progress["rng"]
+        self._layouts = progress["layouts"]
 
     def __getstate__(self) -> dict[str, Any]:
         # Like torch's: picklable without the process group, which is WORLD again on unpickling.
-        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in ("process_group", "_chain")}
+        slots = (*ResumableHookState.__slots__, *PowerSGDState.__slots__)
+        return {slot: getattr(self, slot) for slot in slots if slot not in ("process_group", "_chain")}
 
     def __setstate__(self, state: Mapping[str, Any]) -> None:
         self.process_group = None
@@ -264,7 +235,7 @@ class PowerSGDState:
         known = self._layouts.get(index)
         if known is not None and known != layout:
             logger.info("PowerSGD: bucket %d changed its layout (DDP rebuilt its buckets); its memory restarts", index)
-            for key in _MEMORY:
+            for key in self._MEMORY:
                 getattr(self, key).pop(index, None)
         self._layouts[index] = layout
 
@@ -293,7 +264,7 @@ class PowerSGDState:
 
 def _check_state(state: object, hook: str) -> PowerSGDState:
     if not isinstance(state, PowerSGDState):
-        raise ValueError(
+        raise TypeError(
             f"state: {hook} expects a PowerSGDState, got {type(state).__name__}; register it as "
             f"ddp_model.register_comm_hook(PowerSGDState(process_group), {hook})"
         )

@@ -32,7 +32,7 @@ Example::
 # ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` objects, not with strings.
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from dcomm.core import QuantizedAverage, completed_future, quantized_average_bytes, resolve_group
 from dcomm.core.validation import boolean, even_int, non_negative_int
-from dcomm.ddp._ordered_chain import OrderedChain
+from dcomm.ddp._hook_state import ResumableHookState
 
 __all__ = ["QuantizedState", "fp8_compress_hook", "int8_compress_hook", "quantized_allreduce_bytes"]
 
@@ -62,7 +62,7 @@ def quantized_allreduce_bytes(numel: int, world: int, fmt: str, block_size: int 
     return quantized_average_bytes(numel, world, fmt, block_size)
 
 
-class QuantizedState:
+class QuantizedState(ResumableHookState):
     """State of :func:`int8_compress_hook` and :func:`fp8_compress_hook`: group, error feedback, bytes.
 
     Args:
@@ -80,32 +80,21 @@ class QuantizedState:
         >>> ddp_model.register_comm_hook(state, fp8_compress_hook)  # doctest: +SKIP
     """
 
-    __slots__ = (
-        "_averagers",
-        "_chain",
-        "_pattern",
-        "block_size",
-        "bytes_sent",
-        "error_dict",
-        "error_feedback",
-        "process_group",
-        "shard_error_dict",
-    )
+    __slots__ = ("_averagers", "_pattern", "block_size", "bytes_sent", "error_feedback", "shard_error_dict")
+
+    _SETTINGS = ("error_feedback", "block_size")
+    _MEMORY = ("error_dict", "shard_error_dict")
 
     def __init__(
         self, process_group: dist.ProcessGroup | None = None, error_feedback: bool = True, block_size: int = 256
     ) -> None:
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise ValueError(f"process_group: expected a ProcessGroup or None, got {type(process_group).__name__}")
-        self.process_group = process_group
+        super().__init__(process_group)
         self.error_feedback = boolean("error_feedback", error_feedback, "pass False to drop the rounding errors")
         self.block_size = even_int("block_size", block_size, 2, "the default is 256")
         self.bytes_sent = 0
-        # Per bucket index: the local rounding error (the padded bucket) and the owner's error of
-        # its re-quantized average chunk.
-        self.error_dict: dict[int, torch.Tensor] = {}
+        # Per bucket index: the local rounding error (the padded bucket, in error_dict) and the
+        # owner's error of its re-quantized average chunk.
         self.shard_error_dict: dict[int, torch.Tensor] = {}
-        self._chain = OrderedChain()
         # The exchange pattern of dcomm.core.QuantizedAverage ("two_shot" or "all_gather"); every
         # rank must use the same. Internal: for measuring, not an API.
         self._pattern = "two_shot"
@@ -117,51 +106,14 @@ class QuantizedState:
             f"bytes_sent={self.bytes_sent})"
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        """The error memory (copies), the byte counter and the settings.
+    def _progress(self) -> dict[str, Any]:
+        return {"bytes_sent": self.bytes_sent}
 
-        Example::
+    def _progress_checks(self, fix: str) -> dict[str, Callable[[str, Any], Any]]:
+        return {"bytes_sent": lambda name, value: non_negative_int(name, value, fix)}
 
-            >>> checkpoint["int8_hook"] = state.state_dict()  # doctest: +SKIP
-        """
-        return {
-            "error_feedback": self.error_feedback,
-            "block_size": self.block_size,
-            "bytes_sent": self.bytes_sent,
-            "error_dict": {i: t.detach().clone() for i, t in self.error_dict.items()},
-            "shard_error_dict": {i: t.detach().clone() for i, t in self.shard_error_dict.items()},
-        }
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved; the settings must match. Nothing changes on error.
-
-        Example::
-
-            >>> state.load_state_dict(checkpoint["int8_hook"])  # doctest: +SKIP
-        """
-        fix = "pass what QuantizedState.state_dict() returned"
-        if not isinstance(state_dict, Mapping):
-            raise ValueError(f"state_dict: expected a mapping, got {type(state_dict).__name__}; {fix}")
-        keys = ("error_feedback", "block_size", "bytes_sent", "error_dict", "shard_error_dict")
-        missing = [key for key in keys if key not in state_dict]
-        if missing:
-            raise ValueError(f"state_dict: missing keys {missing}; {fix}")
-        for key in ("error_feedback", "block_size"):
-            if state_dict[key] != getattr(self, key):
-                raise ValueError(
-                    f"state_dict['{key}']: saved {state_dict[key]!r}, this state has {getattr(self, key)!r}; "
-                    f"construct QuantizedState with {key}={state_dict[key]!r} to resume"
-                )
-        sent = non_negative_int("state_dict['bytes_sent']", state_dict["bytes_sent"], fix)
-        memory = {}
-        for key in ("error_dict", "shard_error_dict"):
-            tensors = state_dict[key]
-            if not isinstance(tensors, Mapping) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
-                raise ValueError(f"state_dict['{key}']: expected a mapping of bucket index to tensor; {fix}")
-            memory[key] = {int(i): t.detach().clone() for i, t in tensors.items()}
-        self.bytes_sent = sent
-        self.error_dict = memory["error_dict"]
-        self.shard_error_dict = memory["shard_error_dict"]
+    def _restore(self, progress: dict[str, Any]) -> None:
+        self.bytes_sent = progress["bytes_sent"]
 
     def _averager(self, fmt: str) -> QuantizedAverage:
         """The collective for ``fmt``; it keeps each bucket's send and receive buffers between steps."""
@@ -202,7 +154,7 @@ def _resolve_state(state: object, hook: str) -> QuantizedState:
         if default is None:
             default = _DEFAULT_STATES[id(world)] = QuantizedState(None, error_feedback=False)
         return default
-    raise ValueError(
+    raise TypeError(
         f"state: {hook} expects a QuantizedState or None, got {type(state).__name__}; register it as "
         f"ddp_model.register_comm_hook(QuantizedState(process_group), {hook})"
     )

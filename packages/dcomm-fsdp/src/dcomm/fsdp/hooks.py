@@ -43,17 +43,18 @@ __all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "reduce
 
 
 def _check_state(state: Any, hook: str, *, low_precision: bool) -> dist.ProcessGroup:
-    """Return ``state.process_group``; raise a ``ValueError`` that names the fix otherwise."""
+    """Return ``state.process_group``; else a TypeError (not a state) or ValueError (no group) naming the fix."""
     wanted = "LowPrecisionState" if low_precision else "DefaultState"
     group = getattr(state, "process_group", None)
     if group is None:
-        got = "a state whose process_group is None" if hasattr(state, "process_group") else repr(state)
-        raise ValueError(
+        has_group = hasattr(state, "process_group")
+        got = "a state whose process_group is None" if has_group else repr(state)
+        raise (ValueError if has_group else TypeError)(
             f"state: {hook} needs a dcomm.core.{wanted} holding a process group, got {got}; "
             f"pass {wanted}(dist.group.WORLD) (or the group FSDP shards over) to register_comm_hook"
         )
     if low_precision and not isinstance(getattr(state, "parameter_type", None), torch.dtype):
-        raise ValueError(
+        raise TypeError(
             f"state: {hook} casts the reduced gradient back to state.parameter_type, but "
             f"{type(state).__name__} has none; pass LowPrecisionState(group, parameter_type=torch.float32)"
         )

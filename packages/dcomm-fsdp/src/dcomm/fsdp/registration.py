@@ -4,7 +4,7 @@
 bare ``AssertionError``, on misuse. :func:`register_comm_hook` checks first and raises a
 ``ValueError`` that names the argument, its value and the fix: a hybrid sharding strategy (FSDP
 has no hooks for those), a hook that does not fit the strategy, a state without a process group
-or over a group of another size.
+or over a group of another size (a ``TypeError`` for an argument of the wrong type).
 
 Example::
 
@@ -41,8 +41,10 @@ def register_comm_hook(module: FullyShardedDataParallel, state: Any, hook: Calla
 
     Raises ``ValueError`` for a hybrid strategy (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``) in
     any FSDP unit, :func:`allreduce_hook` on a sharded strategy or :func:`reduce_scatter_hook` on
-    ``NO_SHARD``, a state without a process group (or, for the fp16/bf16 hooks, without
-    ``parameter_type``), and a state whose group size differs from the module's.
+    ``NO_SHARD``, a state whose process group is None, and a state whose group size differs from
+    the module's; ``TypeError`` for a module that is not the root FSDP instance, a hook that is not
+    callable, a state that is not a hook state (or, for the fp16/bf16 hooks, has no
+    ``parameter_type``).
 
     Example::
 
@@ -50,13 +52,13 @@ def register_comm_hook(module: FullyShardedDataParallel, state: Any, hook: Calla
         >>> register_comm_hook(model, DefaultState(dist.group.WORLD), allreduce_hook)  # doctest: +SKIP
     """
     if not isinstance(module, FullyShardedDataParallel):
-        raise ValueError(
+        raise TypeError(
             f"module: expected the root FullyShardedDataParallel instance, got {type(module).__name__}; "
             "wrap the model with FSDP(...) first (for fully_shard modules use "
             "dcomm.fsdp.use_low_precision_reduction)"
         )
     if not callable(hook):
-        raise ValueError(f"hook: expected a callable such as dcomm.fsdp.allreduce_hook, got {hook!r}")
+        raise TypeError(f"hook: expected a callable such as dcomm.fsdp.allreduce_hook, got {hook!r}")
     name = getattr(hook, "__name__", repr(hook))
     group = _check_state(state, name, low_precision=hook in _LOW_PRECISION)
     strategies = {unit.sharding_strategy for unit in FullyShardedDataParallel.fsdp_modules(module)}

@@ -205,14 +205,14 @@ def _caller_stream_never_waits(rank: int, world: int) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     side_channel = dist.new_group(backend="gloo")
-    # NCCL connects its communicator, and its point-to-point channels at the first all-to-all,
-    # collectively (the host blocks until the peer joins): both happen before the test.
-    dist.all_reduce(torch.ones(1, device=device))
-    dist.all_to_all_single(torch.empty(world, device=device), torch.ones(world, device=device))
-    dist.all_gather_into_tensor(torch.empty(world, device=device), torch.ones(1, device=device))
-    torch.cuda.synchronize(device)
     averager = QuantizedAverage("int8", BLOCK)
     x = rank_tensor(rank, 0, 4096).to(device)
+    # Before the test, every rank together: NCCL connects its communicator and its point-to-point
+    # channels, and CUDA loads every kernel of the average (a lazily loaded kernel cannot load
+    # while a collective kernel waits for the other rank, so the first use would hang here).
+    averager.begin(x.clone(), None, error=torch.zeros(4096, device=device)).result()
+    torch.ones(1, device=device).add_(1)
+    torch.cuda.synchronize(device)
     pending = averager.begin(x, None, error=torch.zeros(4096, device=device))
     if rank == 1:
         dist.barrier(group=side_channel)

@@ -444,7 +444,7 @@ def _gather_during_forward(rank: int, world: int) -> list[str]:
     # Only with reduce_scatter=True.
     with pytest.raises(ValueError, match="gather_during_forward: True needs reduce_scatter=True"):
         hook_with_zero_step(allreduce_hook, *_fresh_pair(), gather_during_forward=True)
-    with pytest.raises(ValueError, match="gather_during_forward"):
+    with pytest.raises(TypeError, match="gather_during_forward: expected True or False, got 1"):
         hook_with_zero_step(allreduce_hook, *_fresh_pair(), reduce_scatter=True, gather_during_forward=1)
     wait_for_parameters(hook_with_zero_step(allreduce_hook, *_fresh_pair()))  # a no-op elsewhere
     return seen
@@ -652,8 +652,13 @@ def _errors(rank: int, world: int) -> None:
         with pytest.raises(ValueError, match=r"zero: parameters at indices \[0, 1.*ddp.parameters\(\)"):
             build(allreduce_hook, ddp, zero)
 
+        with pytest.raises(TypeError, match=r"hook: expected a DDP communication hook.*got None"):
+            build(None, *fresh())
+        with pytest.raises(TypeError, match=r"ddp: expected a DistributedDataParallel, got Linear"):
+            build(allreduce_hook, torch.nn.Linear(2, 2), fresh()[1])
+        with pytest.raises(TypeError, match=r"zero: expected a ZeroRedundancyOptimizer, got SGD"):
+            build(allreduce_hook, fresh()[0], torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
         for bad, pattern in [
-            (None, r"hook: expected a DDP communication hook.*got None"),
             (post_localSGD_hook, r"hook: post_localSGD_hook cannot be wrapped"),
             (lambda bucket: bucket, r"hook: <lambda> does not take \(state, bucket\)"),
         ]:

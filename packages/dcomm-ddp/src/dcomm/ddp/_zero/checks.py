@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 import dcomm.ddp._torch_private as private
 import dcomm.ddp.default_hooks as dcomm_hooks
 from dcomm.core import resolve_group
+from dcomm.core.validation import boolean
 
 # Marks the hooks built here (the value is the hook's driver), and the optimizer a hook drives.
 HOOK_MARK = "_dcomm_zero_overlap"
@@ -64,7 +65,7 @@ def _described(hook: Any) -> tuple[object, str]:
 
 def check_hook(hook: object) -> None:
     if not callable(hook):
-        raise ValueError(
+        raise TypeError(
             f"hook: expected a DDP communication hook (state, bucket) -> Future, got {hook!r}; "
             "pass e.g. dcomm.ddp.allreduce_hook"
         )
@@ -83,8 +84,7 @@ def check_hook(hook: object) -> None:
 
 
 def check_flag(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}: expected True or False, got {value!r}")
+    boolean(name, value, f"pass {name}=True or {name}=False")
 
 
 def averaging_dtype(hook: object) -> torch.dtype | None:
@@ -106,13 +106,15 @@ def averaging_dtype(hook: object) -> torch.dtype | None:
 
 def check_ddp(ddp: object) -> None:
     if not isinstance(ddp, DistributedDataParallel):
-        raise ValueError(f"ddp: expected a DistributedDataParallel, got {type(ddp).__name__}")
+        raise TypeError(f"ddp: expected a DistributedDataParallel, got {type(ddp).__name__}; pass the wrapped model")
 
 
 def check_zero(zero: object) -> None:
     """A ``ZeroRedundancyOptimizer`` built for overlap, with one group, not driving a hook yet."""
     if not isinstance(zero, ZeroRedundancyOptimizer):
-        raise ValueError(f"zero: expected a ZeroRedundancyOptimizer, got {type(zero).__name__}")
+        raise TypeError(
+            f"zero: expected a ZeroRedundancyOptimizer, got {type(zero).__name__}; build one with overlap_with_ddp=True"
+        )
     if not private.overlap_with_ddp(zero):
         raise ValueError(
             "zero: the ZeroRedundancyOptimizer was built with overlap_with_ddp=False; build it with "

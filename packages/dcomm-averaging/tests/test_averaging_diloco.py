@@ -328,3 +328,38 @@ def backward_on(model: torch.nn.Module, rank: int, step: int, device: torch.devi
 @ON_GLOO_AND_NCCL
 def test_diloco_offload_gives_the_same_result_and_keeps_state_on_cpu(device_type: str, backend: str) -> None:
     run_ranks(_offload, 2, device_type, backend=backend, timeout=240)
+
+
+def _no_host_sync(rank: int, world: int) -> None:
+    device = torch.device("cuda", rank)
+    batches = [seeded_pair(1000 * rank + step, (8, 4), (8, 4), y_scale=rank + 1, uniform_y=True) for step in range(12)]
+    batches = [(x.to(device), y.to(device)) for x, y in batches]
+    saved = {}
+    for compression in (None, "int8"):
+        for offload in (False, True):
+            model = make_model(rank, torch.float32).to(device)
+            # H=4, F=2, tau=2: a launch every 2 steps, an advance (int8) 1 step and an apply 2 steps later.
+            opt = DiLoCoOptimizer(*make_optimizers(model), 4, None, 2, 2, compression, offload_global=offload)
+            try:
+                for step, (x, y) in enumerate(batches):
+                    if step == 4:  # after the first period: the outer state exists, every kind of step follows
+                        torch.cuda.synchronize(device)
+                        torch.cuda.set_sync_debug_mode("error")  # a blocking copy or .item() raises
+                    ((model(x) - y) ** 2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            state = opt.state_dict()["diloco"]  # waits for the copies queued to pinned memory
+            momenta = [s["momentum_buffer"] for s in state["outer"]["state"].values()]
+            saved[compression, offload] = [t.cpu() for t in state["global"] + momenta]
+    for compression in (None, "int8"):
+        on_device, offloaded = saved[compression, False], saved[compression, True]
+        assert all(torch.equal(a, b) for a, b in zip(on_device, offloaded, strict=True)), compression
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a GPU (NCCL)")
+def test_diloco_sync_steps_never_make_the_host_wait_for_the_gpu() -> None:
+    # Launch, advance and apply only queue work: the training stream waits for a transfer, the host never.
+    run_ranks(_no_host_sync, min(torch.cuda.device_count(), 2), backend="nccl", timeout=240)

@@ -56,10 +56,11 @@ def _unique_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return list(seen.values())
 
 
-def _pinned_like(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of ``tensor``, in pinned memory when it comes from a GPU."""
+def _pinned_like(tensor: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """A CPU copy of ``tensor``, in pinned memory when it comes from a GPU (then, with
+    ``non_blocking``, the copy is queued on the current stream and the host does not wait)."""
     copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-    copy.copy_(tensor)
+    copy.copy_(tensor, non_blocking=non_blocking)
     return copy
 
 
@@ -176,6 +177,9 @@ class DiLoCoOptimizer(WrappingOptimizer):
             for indices in self._fragments
         ]
         self._in_flight: list[_InFlight] = []
+        # Offloaded: the last queued copy between g (or the outer state) and the device; the host
+        # waits for it before it reads or writes them itself (state_dict, load_state_dict).
+        self._offload_copies: Any = None
         self.inner_steps = 0
         self._broadcast_params()
         with torch.no_grad():
@@ -283,6 +287,7 @@ class DiLoCoOptimizer(WrappingOptimizer):
                 view = flat[start : start + param.numel()].view(param.shape)
                 view.copy_(self._global[j], non_blocking=True).sub_(param)
                 start += param.numel()
+        self._note_offload_copies()
         return flat
 
     def _apply(self, fragment: int, average: torch.Tensor) -> None:
@@ -299,7 +304,7 @@ class DiLoCoOptimizer(WrappingOptimizer):
             start = 0
             for j in indices:
                 param = self._params[j]
-                param.copy_(self._global[j])
+                param.copy_(self._global[j], non_blocking=True)  # offloaded g is pinned: no host wait
                 param.grad = average[start : start + param.numel()].view(param.shape).to(param.dtype)
                 start += param.numel()
             self._outer_state_to_device(indices)
@@ -307,12 +312,13 @@ class DiLoCoOptimizer(WrappingOptimizer):
             self._outer_state_offload(indices)
             for k, j in enumerate(indices):
                 param = self._params[j]
-                self._global[j].copy_(param)
+                self._global[j].copy_(param, non_blocking=True)
                 if alpha:
                     param.lerp_(local[k], alpha)
                 param.grad = None
             for param, grad in zip(others, kept_grads, strict=True):
                 param.grad = grad
+        self._note_offload_copies()
 
     def _outer_state_to_device(self, indices: list[int]) -> None:
         if not self.offload_global:
@@ -334,7 +340,19 @@ class DiLoCoOptimizer(WrappingOptimizer):
             state = self.outer.state.get(param, {})
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device == param.device:
-                    state[key] = _pinned_like(value)
+                    state[key] = _pinned_like(value, non_blocking=True)
+
+    def _note_offload_copies(self) -> None:
+        """Offloaded on an accelerator: mark the copies queued so far (g and the outer state are pinned)."""
+        device = self._params[0].device
+        if self.offload_global and device.type != "cpu":
+            self._offload_copies = torch.get_device_module(device).current_stream(device).record_event()
+
+    def _wait_offload_copies(self) -> None:
+        """Let the host touch g and the outer state: wait for the copies queued to or from them."""
+        if self._offload_copies is not None:
+            self._offload_copies.synchronize()
+            self._offload_copies = None
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -358,6 +376,7 @@ class DiLoCoOptimizer(WrappingOptimizer):
         """
         for flight in self._in_flight:
             flight.average = ReadyAverage(flight.average.result())
+        self._wait_offload_copies()
         state = self.inner.state_dict()
         state["step"] = self.inner_steps
         state["diloco"] = {
@@ -381,9 +400,12 @@ class DiLoCoOptimizer(WrappingOptimizer):
             >>> opt.load_state_dict(torch.load("diloco.pt"))  # doctest: +SKIP
         """
         extra = self._validated(state_dict)
+        self._wait_offload_copies()
         self.inner.load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
         self.outer.load_state_dict(extra["outer"])
         self._outer_state_offload(list(range(len(self._params))))
+        self._note_offload_copies()
+        self._wait_offload_copies()
         with torch.no_grad():
             for mine, saved in zip(self._global, extra["global"], strict=True):
                 mine.copy_(saved)

@@ -363,3 +363,30 @@ def _no_host_sync(rank: int, world: int) -> None:
 def test_diloco_sync_steps_never_make_the_host_wait_for_the_gpu() -> None:
     # Launch, advance and apply only queue work: the training stream waits for a transfer, the host never.
     run_ranks(_no_host_sync, min(torch.cuda.device_count(), 2), backend="nccl", timeout=240)
+
+
+def _per_parameter_ops(rank: int, world: int) -> dict[str, int]:
+    from torch.profiler import ProfilerActivity, profile
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(3, 3) for _ in range(12)))  # 24 parameters
+    opt = DiLoCoOptimizer(*make_optimizers(model), 1)  # every step syncs: launch and apply
+    model(torch.randn(2, 3)).square().sum().backward()
+    opt.step()  # the first outer step allocates the momentum
+    opt.zero_grad()
+    model(torch.randn(2, 3)).square().sum().backward()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        opt.step()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.cpu_parent is None:  # what DiLoCo calls itself (inner and outer steps nest in their own spans)
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return counts
+
+
+@pytest.mark.timeout(200)
+def test_diloco_sync_step_copies_all_parameters_in_a_few_kernels() -> None:
+    # g - p, p = g and g = p as many-tensor ops: the sync step's launches do not grow with the parameters.
+    counts = run_ranks(_per_parameter_ops, 1, timeout=150)[0]
+    assert counts.get("aten::_foreach_copy_") == 3, counts
+    assert counts.get("aten::_foreach_sub_") == 1, counts
+    assert counts.get("aten::copy_", 0) + counts.get("aten::sub_", 0) == 0, counts

@@ -34,7 +34,7 @@ from dcomm.averaging._diloco.exchange import (
 )
 from dcomm.averaging._diloco.fragments import split_bytes, sync_offsets
 from dcomm.averaging._wrapping_optimizer import WrappingOptimizer
-from dcomm.core import resolve_group
+from dcomm.core import foreach_copy_, foreach_sub_, resolve_group
 from dcomm.core.validation import boolean, non_negative_int, positive_int
 
 __all__ = ["DiLoCoOptimizer"]
@@ -280,13 +280,12 @@ class DiLoCoOptimizer(WrappingOptimizer):
         indices = self._fragments[fragment]
         params = [self._params[j] for j in indices]
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
-        flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
-        start = 0
-        with torch.no_grad():
-            for j, param in zip(indices, params, strict=True):
-                view = flat[start : start + param.numel()].view(param.shape)
-                view.copy_(self._global[j], non_blocking=True).sub_(param)
-                start += param.numel()
+        numels = [p.numel() for p in params]
+        flat = torch.empty(sum(numels), dtype=dtype, device=params[0].device)
+        views = [part.view(p.shape) for part, p in zip(flat.split(numels), params, strict=True)]
+        with torch.no_grad():  # a few many-tensor kernels, not two per parameter
+            foreach_copy_(views, [self._global[j] for j in indices], non_blocking=True)
+            foreach_sub_(views, params)
         self._note_offload_copies()
         return flat
 
@@ -297,24 +296,23 @@ class DiLoCoOptimizer(WrappingOptimizer):
         others = [p for j, p in enumerate(self._params) if j not in members]
         kept_grads = [p.grad for p in others]
         alpha = self.fragment_update_alpha
+        params = [self._params[j] for j in indices]
+        global_copies = [self._global[j] for j in indices]
         with torch.no_grad():
             for param in others:
                 param.grad = None
-            local = [self._params[j].detach().clone() for j in indices] if alpha else []
-            start = 0
-            for j in indices:
-                param = self._params[j]
-                param.copy_(self._global[j], non_blocking=True)  # offloaded g is pinned: no host wait
-                param.grad = average[start : start + param.numel()].view(param.shape).to(param.dtype)
-                start += param.numel()
+            local = [p.detach().clone() for p in params] if alpha else []
+            foreach_copy_(params, global_copies, non_blocking=True)  # offloaded g is pinned: no host wait
+            for param, part in zip(params, average.split([p.numel() for p in params]), strict=True):
+                param.grad = part.view(param.shape).to(param.dtype)
             self._outer_state_to_device(indices)
             self.outer.step()
             self._outer_state_offload(indices)
-            for k, j in enumerate(indices):
-                param = self._params[j]
-                self._global[j].copy_(param, non_blocking=True)
-                if alpha:
-                    param.lerp_(local[k], alpha)
+            foreach_copy_(global_copies, params, non_blocking=True)
+            if alpha:
+                for param, kept in zip(params, local, strict=True):
+                    param.lerp_(kept, alpha)
+            for param in params:
                 param.grad = None
             for param, grad in zip(others, kept_grads, strict=True):
                 param.grad = grad

@@ -75,6 +75,8 @@ def test_step_kinds_follow_the_schedule_of_launches() -> None:
     kinds = step_kinds([5, 10, 15, 20], Setting(4, 4, "int8", 20), 21)
     assert kinds[4:10] == ["launch", "plain", "advance", "plain", "apply", "launch"]
     assert kinds[20] == "plain"  # step 21: nothing launched at 20 is due yet
+    on_nccl = step_kinds([5, 10, 15, 20], Setting(4, 4, "int8", 20), 21, advance_midway=False)
+    assert on_nccl == [kind.replace("advance", "plain") for kind in kinds]  # queued at the launch
     # tau=0: the launch and the apply are the same step; fp32 never advances.
     assert step_kinds([3], Setting(1, 0, None, 3), 3) == ["plain", "plain", "apply+launch"]
     assert "advance" not in step_kinds([1], Setting(1, 4, None, 8), 8)

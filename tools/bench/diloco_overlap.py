@@ -10,9 +10,10 @@ next steps is therefore free, and a real stall counts in the step where it happe
 step's stream waiting for an unfinished transfer.
 
 Steps are classed by what DiLoCo does in them: ``launch`` (a fragment's averaging starts: seen in
-``opt.bytes_sent``), ``advance`` (compressed, ``(tau + 1) // 2`` steps later: its second stage
-starts), ``apply`` (``tau`` steps after the launch: the outer step on the averaged change) or
-``plain``; a step that does several is named by all of them (``apply+launch``). Per setting: the
+``opt.bytes_sent``), ``advance`` (compressed on gloo, ``(tau + 1) // 2`` steps later: its second
+stage starts; on NCCL it is queued at the launch), ``apply`` (``tau`` steps after the launch: the
+outer step on the averaged change) or ``plain``; a step that does several is named by all of them
+(``apply+launch``). Per setting: the
 median plain step, the median of each special kind, the worst kind's median over the plain median
 (the goal: at most 1.10 with ``F >= 2`` and ``tau >= 1``) with a 95% bootstrap interval, the run's
 throughput against the baseline (its time over the timed steps times the baseline's median step),
@@ -125,8 +126,10 @@ def parse_setting(text: str, sync_every: int) -> Setting:
     return Setting(fragments, delay, None if compression == "none" else compression, every)
 
 
-def step_kinds(launches: list[int], setting: Setting, steps: int) -> list[str]:
+def step_kinds(launches: list[int], setting: Setting, steps: int, advance_midway: bool = True) -> list[str]:
     """The kind of each of ``steps`` steps (index 0 is inner step 1), given the steps that launched a sync.
+
+    ``advance_midway``: a compressed sync advances on a step of its own (gloo), not at its launch (NCCL).
 
     Example::
 
@@ -145,7 +148,7 @@ def step_kinds(launches: list[int], setting: Setting, steps: int) -> list[str]:
         add(launch, "launch")
         add(launch + setting.delay, "apply")
         advance = launch + (setting.delay + 1) // 2  # as DiLoCoOptimizer schedules it
-        if setting.compression is not None and 0 < advance - launch < setting.delay:
+        if advance_midway and setting.compression is not None and 0 < advance - launch < setting.delay:
             add(advance, "advance")
     return ["+".join(sorted(k)) if k else "plain" for k in kinds]
 
@@ -317,7 +320,7 @@ def run_setting(ctx: Context, setting: Setting, warmup: int, steps: int) -> Run:
 
     times, totals = _timed(ctx.bench, train_step(ctx, model, opt), warmup, steps, on_step)
     opt.state_dict()  # finishes the averaging in flight on every rank (outside the timed steps)
-    kinds = step_kinds(launches, setting, warmup + steps)[warmup:]
+    kinds = step_kinds(launches, setting, warmup + steps, advance_midway=not ctx.bench.is_cuda)[warmup:]
     return Run(times, kinds, totals, opt.bytes_sent / opt.inner_steps)
 
 

@@ -390,3 +390,26 @@ def test_diloco_sync_step_copies_all_parameters_in_a_few_kernels() -> None:
     assert counts.get("aten::_foreach_copy_") == 3, counts
     assert counts.get("aten::_foreach_sub_") == 1, counts
     assert counts.get("aten::copy_", 0) + counts.get("aten::sub_", 0) == 0, counts
+
+
+def _stages_after_launch(rank: int, world: int, device_type: str) -> None:
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    model = make_model(rank, torch.float32).to(device)
+    # H=4, F=1, tau=2, int8: the launch at step 4, the apply at step 6.
+    opt = DiLoCoOptimizer(*make_optimizers(model), 4, None, 1, 2, "int8")
+    stages = []
+    for step in range(1, 7):
+        backward_on(model, rank, step, device)
+        opt.step()
+        opt.zero_grad()
+        stages.append(opt._in_flight[0].average._pending._stage if opt._in_flight else None)
+    # NCCL: stage 2 is queued with stage 1 (the GPU starts it once stage 1 is done, the host waits for
+    # neither). gloo: advancing waits for stage 1 on the host, so it comes halfway, at step 5.
+    second = "advanced" if device_type == "cuda" else "launched"
+    assert stages == [None, None, None, second, "advanced", None], stages
+
+
+@pytest.mark.timeout(300)
+@ON_GLOO_AND_NCCL
+def test_compressed_sync_queues_its_second_stage_at_launch_on_nccl(device_type: str, backend: str) -> None:
+    run_ranks(_stages_after_launch, 2, device_type, backend=backend, timeout=240)

@@ -34,7 +34,7 @@ from dcomm.averaging._diloco.exchange import (
 )
 from dcomm.averaging._diloco.fragments import split_bytes, sync_offsets
 from dcomm.averaging._wrapping_optimizer import WrappingOptimizer
-from dcomm.core import foreach_copy_, foreach_sub_, resolve_group
+from dcomm.core import foreach_copy_, foreach_sub_, reduced_by_nccl, resolve_group
 from dcomm.core.validation import boolean, non_negative_int, positive_int
 
 __all__ = ["DiLoCoOptimizer"]
@@ -85,7 +85,9 @@ class DiLoCoOptimizer(WrappingOptimizer):
       the local values plus ``1 - a`` times the global ones).
     * ``compression``: ``None``, ``"bf16"``, ``"fp8"``, ``"int8"`` or ``"int4"`` (block-wise fp32
       scales, 256 values a block) for the averaged change, with error feedback kept in
-      ``state_dict()``; bytes travel as ``uint8`` and are summed in fp32.
+      ``state_dict()``; bytes travel as ``uint8`` and are summed in fp32. A compressed average has
+      two stages; on NCCL both are queued at the sync step (the second runs once the first is
+      done, and the host never waits), elsewhere the second starts ``(tau + 1) // 2`` steps later.
     * ``offload_global=True`` keeps ``g`` and the outer optimizer's state in CPU (pinned) memory
       between syncs instead of on the parameters' device.
 
@@ -172,6 +174,9 @@ class DiLoCoOptimizer(WrappingOptimizer):
         self._fragments = split_bytes(sizes, self.fragments)
         self._offsets = sync_offsets(self.sync_every, self.fragments)
         self._exchange = PseudoGradientExchange(self.process_group, compression)
+        # On NCCL a compressed sync's second stage only queues work on a side stream: start it at once.
+        on_nccl = reduced_by_nccl(self.process_group, self._params[0].device)
+        self._advance_at_launch = compression is not None and on_nccl
         self._feedback = [
             self._exchange.new_feedback(sum(self._params[j].numel() for j in indices), self._params[0].device)
             for indices in self._fragments
@@ -269,7 +274,10 @@ class DiLoCoOptimizer(WrappingOptimizer):
             average = self._exchange.start(self._pseudo_gradient(fragment), self._feedback[fragment])
             if delay == 0:
                 self._apply(fragment, average.result())
-            else:
+            elif self._advance_at_launch:  # queues stage 2 behind stage 1: it starts once stage 1 is done
+                average.advance()
+                self._in_flight.append(_InFlight(fragment, now, now + delay, average))
+            else:  # advancing waits for stage 1 on the host: halfway through the delay
                 self._in_flight.append(_InFlight(fragment, now + (delay + 1) // 2, now + delay, average))
         return loss
 

@@ -18,8 +18,9 @@ median plain step, the median of each special kind, the worst kind's median over
 (the goal: at most 1.10 with ``F >= 2`` and ``tau >= 1``) with a 95% bootstrap interval, the run's
 throughput against the baseline (its time over the timed steps times the baseline's median step),
 bytes per inner step, and the slowest rank. Step times are the maximum over the ranks. A link
-probe (an fp32 allreduce) estimates how many plain steps one fragment's transfer takes, so the
-table says which delays can cover it.
+probe (an fp32 allreduce) estimates how many plain steps one fragment's transfer takes (which
+delays can cover it) and the link load (bytes per step over what the link carries in a plain
+step; above 1 no delay can hide the syncs).
 
 4 GPUs, emulated slow link (sockets over loopback, ~1 GB/s)::
 
@@ -68,8 +69,9 @@ __all__ = [
     "worst_ratio_interval",
 ]
 
-DEFAULT_SETTINGS = ("1:0", "2:1", "4:1", "4:4", "4:4:int8", "2:9")
-"""F:tau[:compression[:H]]: plain DiLoCo, then fragments with delays short and long enough to hide a transfer."""
+DEFAULT_SETTINGS = ("1:0", "2:1", "4:1", "4:4", "2:9", "4:1:int8", "4:4:int8", "2:9:int8", "4:10:none:50")
+"""F:tau[:compression[:H]]: plain DiLoCo, then fragments with delays too short and long enough to hide a
+transfer, in fp32 and int8 (a quarter of the bytes), and fp32 at H=50 (less than half the link load of H=20)."""
 INNER_LR = 4e-4
 OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 SLOW_LINK_ENV = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE")
@@ -351,6 +353,8 @@ def _finish(result: dict[str, Any], run: Run, setting: Setting, bytes_per_s: flo
     if plain_s:
         result["transfer steps (estimate)"] = round(transfer_s / plain_s, 2)
         result["tau covers transfer (estimate)"] = setting.delay * plain_s >= transfer_s
+        # Above 1 the link cannot carry the syncs as fast as the steps make them: no delay hides that.
+        result["link load (estimate)"] = round(run.bytes_per_step / plain_s / bytes_per_s, 3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -443,6 +447,7 @@ def result_line(label: str, result: dict[str, Any]) -> str:
         parts.append(f"{result['bytes/inner step'] / 2**20:.3f} MiB/step")
     if "transfer steps (estimate)" in result:
         parts.append(f"transfer ~{result['transfer steps (estimate)']:.1f} steps")
+        parts.append(f"link load ~{result['link load (estimate)']:.2f}")
     return f"  {label}: " + "; ".join(parts)
 
 

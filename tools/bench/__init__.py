@@ -17,7 +17,8 @@ parameters; ``diloco`` trains each workload (fp32) with dcomm's ``DiLoCoOptimize
 variants once and times them in shuffled rounds (:mod:`tools.bench.ab`); each compared pair is
 reported as the median per-round ratio with a 95% bootstrap interval. Rank 0 prints the table
 and writes the JSON (device, world size, link, torch version, date, every sample);
-``python -m tools.bench_chart`` draws it. ``python -m tools.bench.diloco_overlap`` times DiLoCo's
-sync steps against plain steps (issue 16's overlap goal; see its docstring). ``--link slow`` labels the run and picks sizes for
+``python -m tools.bench_chart`` draws it. ``--link slow`` labels the run and picks sizes for
 ~1 GB/s; the slow link itself is the NCCL environment above. NVLink multicast is always off.
+``python -m tools.bench.diloco_overlap`` times DiLoCo's sync steps against plain steps (issue
+16's overlap goal; its docstring has the command lines).
 """

@@ -45,6 +45,7 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,7 +269,9 @@ class Run:
     bytes_per_step: float = 0.0
 
 
-def _timed(bench: Bench, step: Step, warmup: int, steps: int, on_step: Any = None) -> tuple[list[float], list[float]]:
+def _timed(
+    bench: Bench, step: Step, warmup: int, steps: int, on_step: Callable[[int], None] | None = None
+) -> tuple[list[float], list[float]]:
     """Run ``warmup`` untimed then ``steps`` timed steps; (slowest rank's step times, each rank's total)."""
     for index in range(warmup):
         step()
@@ -341,7 +344,7 @@ def link_probe(bench: Bench, numel: int, repeats: int = 3) -> float:
     return 2 * (bench.world - 1) * numel * 4 / bench.world / best
 
 
-def _finish(result: dict[str, Any], run: Run, setting: Setting, bytes_per_s: float, plain_s: float | None) -> None:
+def _finish(result: dict[str, Any], run: Run, setting: Setting, bytes_per_s: float, plain_s: float) -> None:
     """Add the rank totals, the bytes and the transfer estimate of ``run`` to its summary."""
     result["rank totals ms"] = [round(t * 1e3, 3) for t in run.rank_totals_s]
     result["slowest rank"] = max(range(len(run.rank_totals_s)), key=run.rank_totals_s.__getitem__)
@@ -350,11 +353,10 @@ def _finish(result: dict[str, Any], run: Run, setting: Setting, bytes_per_s: flo
     result["bytes/fragment sync"] = round(per_sync)
     transfer_s = per_sync / bytes_per_s
     result["transfer ms (estimate)"] = round(transfer_s * 1e3, 3)
-    if plain_s:
-        result["transfer steps (estimate)"] = round(transfer_s / plain_s, 2)
-        result["tau covers transfer (estimate)"] = setting.delay * plain_s >= transfer_s
-        # Above 1 the link cannot carry the syncs as fast as the steps make them: no delay hides that.
-        result["link load (estimate)"] = round(run.bytes_per_step / plain_s / bytes_per_s, 3)
+    result["transfer steps (estimate)"] = round(transfer_s / plain_s, 2)
+    result["tau covers transfer (estimate)"] = setting.delay * plain_s >= transfer_s
+    # Above 1 the link cannot carry the syncs as fast as the steps make them: no delay hides that.
+    result["link load (estimate)"] = round(run.bytes_per_step / plain_s / bytes_per_s, 3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -456,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     backend = init_rank(args.backend, args.timeout_s)
     bench = Bench.create(timeout_s=args.timeout_s)
+    if bench.world < 2:
+        dist.destroy_process_group()
+        print("diloco_overlap: a group of one sends nothing, so no sync step shows; run 2 or more ranks")
+        return 2
     size = args.size if args.size != "auto" else ("large-slow" if bench.is_cuda else "small")
     precision = args.precision if args.precision != "auto" else ("bf16-autocast" if bench.is_cuda else "fp32")
     set_tf32(precision != "fp32")

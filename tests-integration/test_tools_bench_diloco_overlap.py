@@ -92,5 +92,6 @@ def test_summary_medians_and_the_worst_kind_over_plain() -> None:
     assert out["kinds"] == {"launch": {"median ms": 3000.0, "count": 1}, "apply": {"median ms": 2000.0, "count": 2}}
     assert (out["worst kind"], out["sync/plain"]) == ("launch", 3.0)
     assert out["sync/plain 95%"] == [3.0, 3.0]  # every resample of one launch and three equal plain steps
+    assert out["slowest sync step/plain"] == 3.0
     assert out["throughput ratio"] == round(10.0 / (6 * 0.5), 4)
     assert "worst kind" not in summarize([1.0], ["plain"], None)

@@ -203,6 +203,8 @@ def summarize(times_s: list[float], kinds: list[str], baseline_s: float | None) 
         out["sync/plain"] = round(statistics.median(by_kind[worst]) / statistics.median(plain), 4)
         low, high = worst_ratio_interval(plain, by_kind)
         out["sync/plain 95%"] = [round(low, 4), round(high, 4)]
+        slowest = max(max(v) for v in by_kind.values())  # one step, not a median: what a single stall costs
+        out["slowest sync step/plain"] = round(slowest / statistics.median(plain), 4)
     if baseline_s:
         out["throughput ratio"] = round(sum(times_s) / (len(times_s) * baseline_s), 4)
     return out

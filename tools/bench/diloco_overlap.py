@@ -13,21 +13,24 @@ Steps are classed by what DiLoCo does in them: ``launch`` (a fragment's averagin
 ``opt.bytes_sent``), ``advance`` (compressed on gloo, ``(tau + 1) // 2`` steps later: its second
 stage starts; on NCCL it is queued at the launch), ``apply`` (``tau`` steps after the launch: the
 outer step on the averaged change) or ``plain``; a step that does several is named by all of them
-(``apply+launch``). Per setting: the
-median plain step, the median of each special kind, the worst kind's median over the plain median
-(the goal: at most 1.10 with ``F >= 2`` and ``tau >= 1``) with a 95% bootstrap interval, the run's
-throughput against the baseline (its time over the timed steps times the baseline's median step),
-bytes per inner step, and the slowest rank. Step times are the maximum over the ranks. A link
-probe (an fp32 allreduce) estimates how many plain steps one fragment's transfer takes (which
-delays can cover it) and the link load (bytes per step over what the link carries in a plain
-step; above 1 no delay can hide the syncs).
+(``apply+launch``). Per setting: the median plain step, the median of each special kind, the worst
+kind's median over the plain median (the goal: at most 1.10 with ``F >= 2`` and ``tau >= 1``) with
+a 95% bootstrap interval, the run's throughput against the baseline (its time over the timed steps
+times the baseline's median step), bytes per inner step, and the slowest rank. Step times are the
+maximum over the ranks. A link probe (an fp32 allreduce) estimates how many plain steps one
+fragment's transfer takes (which delays can cover it) and the link load (bytes per step over
+what the link carries in a plain step; above 1 no delay can hide the syncs).
 
 4 GPUs, emulated slow link (sockets over loopback, ~1 GB/s)::
 
     NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_NVLS_ENABLE=0 \\
         torchrun --standalone --nproc-per-node 4 -m tools.bench.diloco_overlap --json diloco-overlap-slow.json
 
-The same with ``NCCL_NVLS_ENABLE=0`` alone is the fast link (``--json diloco-overlap-fast.json``).
+4 GPUs, fast link (NVLink)::
+
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 4 -m tools.bench.diloco_overlap \\
+        --json diloco-overlap-fast.json
+
 On CPU (gloo, the ``small`` size), a smoke run::
 
     torchrun --standalone --nproc-per-node 2 -m tools.bench.diloco_overlap --steps 8 --sync-every 4 \\
@@ -54,6 +57,7 @@ import torch.distributed as dist
 
 from tools.bench.ab import steps_per_block
 from tools.bench.cases.common import Context, train_step
+from tools.bench.cases.diloco import INNER_LR, OUTER
 from tools.bench.timing import Bench, Step, release_memory
 from tools.bench.workloads import PRECISIONS, SIZE_TIERS, WORKLOADS, set_tf32
 from tools.launch import init_rank, short_error
@@ -73,8 +77,6 @@ __all__ = [
 DEFAULT_SETTINGS = ("1:0", "2:1", "4:1", "4:4", "2:9", "4:1:int8", "4:4:int8", "2:9:int8", "4:10:none:50")
 """F:tau[:compression[:H]]: plain DiLoCo, then fragments with delays too short and long enough to hide a
 transfer, in fp32 and int8 (a quarter of the bytes), and fp32 at H=50 (less than half the link load of H=20)."""
-INNER_LR = 4e-4
-OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 SLOW_LINK_ENV = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE")
 LINK_ENV = (*SLOW_LINK_ENV, "NCCL_SOCKET_IFNAME", "NCCL_NVLS_ENABLE")
 COMPRESSIONS = ("none", "bf16", "fp8", "int8", "int4")

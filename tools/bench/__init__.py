@@ -19,4 +19,6 @@ reported as the median per-round ratio with a 95% bootstrap interval. Rank 0 pri
 and writes the JSON (device, world size, link, torch version, date, every sample);
 ``python -m tools.bench_chart`` draws it. ``--link slow`` labels the run and picks sizes for
 ~1 GB/s; the slow link itself is the NCCL environment above. NVLink multicast is always off.
+``python -m tools.bench.diloco_overlap`` times DiLoCo's sync steps against plain steps (issue
+16's overlap goal; its docstring has the command lines).
 """

@@ -328,3 +328,88 @@ def backward_on(model: torch.nn.Module, rank: int, step: int, device: torch.devi
 @ON_GLOO_AND_NCCL
 def test_diloco_offload_gives_the_same_result_and_keeps_state_on_cpu(device_type: str, backend: str) -> None:
     run_ranks(_offload, 2, device_type, backend=backend, timeout=240)
+
+
+def _no_host_sync(rank: int, world: int) -> None:
+    device = torch.device("cuda", rank)
+    batches = [seeded_pair(1000 * rank + step, (8, 4), (8, 4), y_scale=rank + 1, uniform_y=True) for step in range(12)]
+    batches = [(x.to(device), y.to(device)) for x, y in batches]
+    saved = {}
+    for compression in (None, "int8"):
+        for offload in (False, True):
+            model = make_model(rank, torch.float32).to(device)
+            # H=4, F=2, tau=2: a launch every 2 steps, an advance (int8) 1 step and an apply 2 steps later.
+            opt = DiLoCoOptimizer(*make_optimizers(model), 4, None, 2, 2, compression, offload_global=offload)
+            try:
+                for step, (x, y) in enumerate(batches):
+                    if step == 4:  # after the first period: the outer state exists, every kind of step follows
+                        torch.cuda.synchronize(device)
+                        torch.cuda.set_sync_debug_mode("error")  # a blocking copy or .item() raises
+                    ((model(x) - y) ** 2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            state = opt.state_dict()["diloco"]  # waits for the copies queued to pinned memory
+            momenta = [s["momentum_buffer"] for s in state["outer"]["state"].values()]
+            saved[compression, offload] = [t.cpu() for t in state["global"] + momenta]
+    for compression in (None, "int8"):
+        on_device, offloaded = saved[compression, False], saved[compression, True]
+        assert all(torch.equal(a, b) for a, b in zip(on_device, offloaded, strict=True)), compression
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a GPU (NCCL)")
+def test_diloco_sync_steps_never_make_the_host_wait_for_the_gpu() -> None:
+    # Launch, advance and apply only queue work: the training stream waits for a transfer, the host never.
+    run_ranks(_no_host_sync, min(torch.cuda.device_count(), 2), backend="nccl", timeout=240)
+
+
+def _per_parameter_ops(rank: int, world: int) -> dict[str, int]:
+    from torch.profiler import ProfilerActivity, profile
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(3, 3) for _ in range(12)))  # 24 parameters
+    opt = DiLoCoOptimizer(*make_optimizers(model), 1)  # every step syncs: launch and apply
+    model(torch.randn(2, 3)).square().sum().backward()
+    opt.step()  # the first outer step allocates the momentum
+    opt.zero_grad()
+    model(torch.randn(2, 3)).square().sum().backward()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        opt.step()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.cpu_parent is None:  # what DiLoCo calls itself (inner and outer steps nest in their own spans)
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return counts
+
+
+@pytest.mark.timeout(200)
+def test_diloco_sync_step_copies_all_parameters_in_a_few_kernels() -> None:
+    # g - p, p = g and g = p as many-tensor ops: the sync step's launches do not grow with the parameters.
+    counts = run_ranks(_per_parameter_ops, 1, timeout=150)[0]
+    assert counts.get("aten::_foreach_copy_") == 3, counts
+    assert counts.get("aten::_foreach_sub_") == 1, counts
+    assert counts.get("aten::copy_", 0) + counts.get("aten::sub_", 0) == 0, counts
+
+
+def _stages_after_launch(rank: int, world: int, device_type: str) -> None:
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    model = make_model(rank, torch.float32).to(device)
+    # H=4, F=1, tau=2, int8: the launch at step 4, the apply at step 6.
+    opt = DiLoCoOptimizer(*make_optimizers(model), 4, None, 1, 2, "int8")
+    stages = []
+    for step in range(1, 7):
+        backward_on(model, rank, step, device)
+        opt.step()
+        opt.zero_grad()
+        stages.append(opt._in_flight[0].average._pending._stage if opt._in_flight else None)
+    # NCCL: stage 2 is queued with stage 1 (the GPU starts it once stage 1 is done, the host waits for
+    # neither). gloo: advancing waits for stage 1 on the host, so it comes halfway, at step 5.
+    second = "advanced" if device_type == "cuda" else "launched"
+    assert stages == [None, None, None, second, "advanced", None], stages
+
+
+@pytest.mark.timeout(300)
+@ON_GLOO_AND_NCCL
+def test_compressed_sync_queues_its_second_stage_at_launch_on_nccl(device_type: str, backend: str) -> None:
+    run_ranks(_stages_after_launch, 2, device_type, backend=backend, timeout=240)

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from dcomm.core import foreach_copy_, foreach_div_
+from dcomm.core import foreach_copy_, foreach_div_, foreach_sub_
 from dcomm.core._torch_private import PRIVATE_MEMBERS
 from dcomm.core.torch_private import PrivateMember, TorchChanged, missing_members, private_member
 
@@ -30,6 +30,22 @@ def test_foreach_div_and_copy_match_one_tensor_at_a_time(dtype: torch.dtype) -> 
     foreach_div_(targets, divisor)
     assert all(torch.equal(t, e) for t, e in zip(targets, expected, strict=True))
     assert all(not torch.equal(t, s) for t, s in zip(targets, sources, strict=True)), "sources were changed"
+    others = [torch.randn(s.shape, generator=gen).to(dtype) for s in sources]
+    expected = [t - o for t, o in zip(targets, others, strict=True)]
+    foreach_sub_(targets, others)
+    assert all(torch.equal(t, e) for t, e in zip(targets, expected, strict=True))
+
+
+def test_foreach_copy_and_sub_convert_dtypes_as_one_tensor_at_a_time() -> None:
+    # DiLoCo's pseudo-gradient: fp32 views of a flat buffer, then the bf16 or fp64 parameters.
+    gen = torch.Generator().manual_seed(4)
+    sources = [torch.randn(3, generator=gen).to(dtype) for dtype in (torch.bfloat16, torch.float32, torch.float64)]
+    others = [torch.randn(3, generator=gen).to(s.dtype) for s in sources]
+    targets = [torch.zeros(3) for _ in sources]
+    foreach_copy_(targets, sources, non_blocking=True)
+    foreach_sub_(targets, others)
+    expected = [torch.zeros(3).copy_(s).sub_(o) for s, o in zip(sources, others, strict=True)]
+    assert all(torch.equal(t, e) for t, e in zip(targets, expected, strict=True))
 
 
 def test_a_missing_foreach_kernel_raises_torch_changed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -34,7 +34,7 @@ from dcomm.averaging._diloco.exchange import (
 )
 from dcomm.averaging._diloco.fragments import split_bytes, sync_offsets
 from dcomm.averaging._wrapping_optimizer import WrappingOptimizer
-from dcomm.core import resolve_group
+from dcomm.core import foreach_copy_, foreach_sub_, reduced_by_nccl, resolve_group
 from dcomm.core.validation import boolean, non_negative_int, positive_int
 
 __all__ = ["DiLoCoOptimizer"]
@@ -56,10 +56,11 @@ def _unique_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return list(seen.values())
 
 
-def _pinned_like(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of ``tensor``, in pinned memory when it comes from a GPU."""
+def _pinned_like(tensor: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """A CPU copy of ``tensor``, in pinned memory when it comes from a GPU (then, with
+    ``non_blocking``, the copy is queued on the current stream and the host does not wait)."""
     copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-    copy.copy_(tensor)
+    copy.copy_(tensor, non_blocking=non_blocking)
     return copy
 
 
@@ -84,7 +85,9 @@ class DiLoCoOptimizer(WrappingOptimizer):
       the local values plus ``1 - a`` times the global ones).
     * ``compression``: ``None``, ``"bf16"``, ``"fp8"``, ``"int8"`` or ``"int4"`` (block-wise fp32
       scales, 256 values a block) for the averaged change, with error feedback kept in
-      ``state_dict()``; bytes travel as ``uint8`` and are summed in fp32.
+      ``state_dict()``; bytes travel as ``uint8`` and are summed in fp32. A compressed average has
+      two stages; on NCCL both are queued at the sync step (the second runs once the first is
+      done, and the host never waits), elsewhere the second starts ``(tau + 1) // 2`` steps later.
     * ``offload_global=True`` keeps ``g`` and the outer optimizer's state in CPU (pinned) memory
       between syncs instead of on the parameters' device.
 
@@ -171,11 +174,17 @@ class DiLoCoOptimizer(WrappingOptimizer):
         self._fragments = split_bytes(sizes, self.fragments)
         self._offsets = sync_offsets(self.sync_every, self.fragments)
         self._exchange = PseudoGradientExchange(self.process_group, compression)
+        # On NCCL a compressed sync's second stage only queues work on a side stream: start it at once.
+        on_nccl = reduced_by_nccl(self.process_group, self._params[0].device)
+        self._advance_at_launch = compression is not None and on_nccl
         self._feedback = [
             self._exchange.new_feedback(sum(self._params[j].numel() for j in indices), self._params[0].device)
             for indices in self._fragments
         ]
         self._in_flight: list[_InFlight] = []
+        # Offloaded: the last queued copy between g (or the outer state) and the device; the host
+        # waits for it before it reads or writes them itself (state_dict, load_state_dict).
+        self._offload_copies: Any = None
         self.inner_steps = 0
         self._broadcast_params()
         with torch.no_grad():
@@ -265,7 +274,10 @@ class DiLoCoOptimizer(WrappingOptimizer):
             average = self._exchange.start(self._pseudo_gradient(fragment), self._feedback[fragment])
             if delay == 0:
                 self._apply(fragment, average.result())
-            else:
+            elif self._advance_at_launch:  # queues stage 2 behind stage 1: it starts once stage 1 is done
+                average.advance()
+                self._in_flight.append(_InFlight(fragment, now, now + delay, average))
+            else:  # advancing waits for stage 1 on the host: halfway through the delay
                 self._in_flight.append(_InFlight(fragment, now + (delay + 1) // 2, now + delay, average))
         return loss
 
@@ -276,13 +288,13 @@ class DiLoCoOptimizer(WrappingOptimizer):
         indices = self._fragments[fragment]
         params = [self._params[j] for j in indices]
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
-        flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
-        start = 0
-        with torch.no_grad():
-            for j, param in zip(indices, params, strict=True):
-                view = flat[start : start + param.numel()].view(param.shape)
-                view.copy_(self._global[j], non_blocking=True).sub_(param)
-                start += param.numel()
+        numels = [p.numel() for p in params]
+        flat = torch.empty(sum(numels), dtype=dtype, device=params[0].device)
+        views = [part.view(p.shape) for part, p in zip(flat.split(numels), params, strict=True)]
+        with torch.no_grad():  # a few many-tensor kernels, not two per parameter
+            foreach_copy_(views, [self._global[j] for j in indices], non_blocking=True)
+            foreach_sub_(views, params)
+        self._note_offload_copies()
         return flat
 
     def _apply(self, fragment: int, average: torch.Tensor) -> None:
@@ -292,27 +304,27 @@ class DiLoCoOptimizer(WrappingOptimizer):
         others = [p for j, p in enumerate(self._params) if j not in members]
         kept_grads = [p.grad for p in others]
         alpha = self.fragment_update_alpha
+        params = [self._params[j] for j in indices]
+        global_copies = [self._global[j] for j in indices]
         with torch.no_grad():
             for param in others:
                 param.grad = None
-            local = [self._params[j].detach().clone() for j in indices] if alpha else []
-            start = 0
-            for j in indices:
-                param = self._params[j]
-                param.copy_(self._global[j])
-                param.grad = average[start : start + param.numel()].view(param.shape).to(param.dtype)
-                start += param.numel()
+            local = [p.detach().clone() for p in params] if alpha else []
+            foreach_copy_(params, global_copies, non_blocking=True)  # offloaded g is pinned: no host wait
+            for param, part in zip(params, average.split([p.numel() for p in params]), strict=True):
+                param.grad = part.view(param.shape).to(param.dtype)
             self._outer_state_to_device(indices)
             self.outer.step()
             self._outer_state_offload(indices)
-            for k, j in enumerate(indices):
-                param = self._params[j]
-                self._global[j].copy_(param)
-                if alpha:
-                    param.lerp_(local[k], alpha)
+            foreach_copy_(global_copies, params, non_blocking=True)
+            if alpha:
+                for param, kept in zip(params, local, strict=True):
+                    param.lerp_(kept, alpha)
+            for param in params:
                 param.grad = None
             for param, grad in zip(others, kept_grads, strict=True):
                 param.grad = grad
+        self._note_offload_copies()
 
     def _outer_state_to_device(self, indices: list[int]) -> None:
         if not self.offload_global:
@@ -334,7 +346,19 @@ class DiLoCoOptimizer(WrappingOptimizer):
             state = self.outer.state.get(param, {})
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device == param.device:
-                    state[key] = _pinned_like(value)
+                    state[key] = _pinned_like(value, non_blocking=True)
+
+    def _note_offload_copies(self) -> None:
+        """Offloaded on an accelerator: mark the copies queued so far (g and the outer state are pinned)."""
+        device = self._params[0].device
+        if self.offload_global and device.type != "cpu":
+            self._offload_copies = torch.get_device_module(device).current_stream(device).record_event()
+
+    def _wait_offload_copies(self) -> None:
+        """Let the host touch g and the outer state: wait for the copies queued to or from them."""
+        if self._offload_copies is not None:
+            self._offload_copies.synchronize()
+            self._offload_copies = None
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -358,6 +382,7 @@ class DiLoCoOptimizer(WrappingOptimizer):
         """
         for flight in self._in_flight:
             flight.average = ReadyAverage(flight.average.result())
+        self._wait_offload_copies()
         state = self.inner.state_dict()
         state["step"] = self.inner_steps
         state["diloco"] = {
@@ -381,9 +406,12 @@ class DiLoCoOptimizer(WrappingOptimizer):
             >>> opt.load_state_dict(torch.load("diloco.pt"))  # doctest: +SKIP
         """
         extra = self._validated(state_dict)
+        self._wait_offload_copies()
         self.inner.load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
         self.outer.load_state_dict(extra["outer"])
         self._outer_state_offload(list(range(len(self._params))))
+        self._note_offload_copies()
+        self._wait_offload_copies()
         with torch.no_grad():
             for mine, saved in zip(self._global, extra["global"], strict=True):
                 mine.copy_(saved)

@@ -8,7 +8,7 @@ Example::
 """
 
 from dcomm.core.__about__ import __version__
-from dcomm.core._torch_private import foreach_copy_, foreach_div_
+from dcomm.core._torch_private import foreach_copy_, foreach_div_, foreach_sub_
 from dcomm.core.averaging import AveragePlan, average_sync, plan_average
 from dcomm.core.collectives import (
     all_gather_single,
@@ -60,6 +60,7 @@ __all__ = [
     "divide_factors",
     "foreach_copy_",
     "foreach_div_",
+    "foreach_sub_",
     "get_logger",
     "group_size",
     "host_identity",

@@ -1,7 +1,8 @@
 """Every private torch member dcomm-core reads, and the accessors that read them.
 
-The other dcomm packages use the many-tensor kernels through :func:`dcomm.core.foreach_div_` and
-:func:`dcomm.core.foreach_copy_`, so each member is listed and read once.
+The other dcomm packages use the many-tensor kernels through :func:`dcomm.core.foreach_div_`,
+:func:`dcomm.core.foreach_copy_` and :func:`dcomm.core.foreach_sub_`, so each member is listed and
+read once.
 
 Example::
 
@@ -21,7 +22,8 @@ from dcomm.core.torch_private import PrivateMember, private_member
 _PREMUL_SUM = PrivateMember(lambda: dist, "_make_nccl_premul_sum", "NCCL's pre-multiplied sum (fp16 averaging on NCCL)")
 _FOREACH_DIV = PrivateMember(lambda: torch, "_foreach_div_", "the in-place division of many tensors in one kernel")
 _FOREACH_COPY = PrivateMember(lambda: torch, "_foreach_copy_", "the copy of many tensors in one kernel")
-PRIVATE_MEMBERS = [_PREMUL_SUM, _FOREACH_DIV, _FOREACH_COPY]
+_FOREACH_SUB = PrivateMember(lambda: torch, "_foreach_sub_", "the in-place subtraction of many tensors in one kernel")
+PRIVATE_MEMBERS = [_PREMUL_SUM, _FOREACH_DIV, _FOREACH_COPY, _FOREACH_SUB]
 
 
 def _read(member: PrivateMember) -> Any:
@@ -46,8 +48,11 @@ def foreach_div_(tensors: list[torch.Tensor], divisor: float) -> None:
     _read(_FOREACH_DIV)(tensors, divisor)
 
 
-def foreach_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+def foreach_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor], non_blocking: bool = False) -> None:
     """Copy each tensor of ``sources`` into the tensor of ``targets`` at its index (one kernel per device and dtype).
+
+    ``non_blocking`` as in ``Tensor.copy_``: a copy between pinned CPU memory and a GPU is queued
+    on the current stream and the host does not wait for it.
 
     Example::
 
@@ -56,4 +61,18 @@ def foreach_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> N
         >>> targets
         [tensor([1., 1.])]
     """
-    _read(_FOREACH_COPY)(targets, sources)
+    _read(_FOREACH_COPY)(targets, sources, non_blocking=non_blocking)
+
+
+def foreach_sub_(targets: list[torch.Tensor], others: list[torch.Tensor]) -> None:
+    """Subtract each tensor of ``others`` from the tensor of ``targets`` at its index, in place (one kernel
+    per device and dtype; the same values as ``target.sub_(other)``).
+
+    Example::
+
+        >>> targets = [torch.full((2,), 5.0)]
+        >>> foreach_sub_(targets, [torch.ones(2)])
+        >>> targets
+        [tensor([4., 4.])]
+    """
+    _read(_FOREACH_SUB)(targets, others)

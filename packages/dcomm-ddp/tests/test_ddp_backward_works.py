@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dcomm.ddp._backward_works import defer_to_last_bucket
+from dcomm_testing import BucketStub
 
 
 class FakeWork:
@@ -15,31 +16,23 @@ class FakeWork:
         return True
 
 
-class FakeBucket:
-    def __init__(self, last: bool) -> None:
-        self.last = last
-
-    def is_last(self) -> bool:
-        return self.last
-
-
 def test_works_are_waited_for_at_the_last_bucket_of_their_group_only() -> None:
     waited: list[str] = []
     group_a, group_b = object(), object()
     results = [torch.full((2,), float(i)) for i in range(4)]
     futs = [
-        defer_to_last_bucket(group_a, FakeWork(waited, "a0"), FakeBucket(False), results[0]),
-        defer_to_last_bucket(group_b, FakeWork(waited, "b0"), FakeBucket(False), results[1]),
-        defer_to_last_bucket(group_a, FakeWork(waited, "a1"), FakeBucket(False), results[2]),
+        defer_to_last_bucket(group_a, FakeWork(waited, "a0"), BucketStub(False), results[0]),
+        defer_to_last_bucket(group_b, FakeWork(waited, "b0"), BucketStub(False), results[1]),
+        defer_to_last_bucket(group_a, FakeWork(waited, "a1"), BucketStub(False), results[2]),
     ]
     assert waited == []  # nothing waits before the last bucket
     assert all(fut.done() for fut in futs)  # DDP may hold them: they are complete at once
     assert all(fut.value() is result for fut, result in zip(futs, results, strict=False))
-    defer_to_last_bucket(group_a, FakeWork(waited, "a2"), FakeBucket(True), results[3])
+    defer_to_last_bucket(group_a, FakeWork(waited, "a2"), BucketStub(True), results[3])
     assert waited == ["a0", "a1", "a2"]  # every work of the group, in launch order
-    defer_to_last_bucket(group_a, FakeWork(waited, "a3"), FakeBucket(True), results[3])
+    defer_to_last_bucket(group_a, FakeWork(waited, "a3"), BucketStub(True), results[3])
     assert waited == ["a0", "a1", "a2", "a3"]  # the next backward starts afresh
-    defer_to_last_bucket(group_b, FakeWork(waited, "b1"), FakeBucket(True), results[3])
+    defer_to_last_bucket(group_b, FakeWork(waited, "b1"), BucketStub(True), results[3])
     assert waited[-2:] == ["b0", "b1"]
 
 
@@ -49,6 +42,6 @@ def test_a_failed_collective_raises_at_the_last_bucket() -> None:
             raise RuntimeError("collective failed")
 
     group = object()
-    defer_to_last_bucket(group, FailedWork(), FakeBucket(False), torch.zeros(1))
+    defer_to_last_bucket(group, FailedWork(), BucketStub(False), torch.zeros(1))
     with pytest.raises(RuntimeError, match="collective failed"):
-        defer_to_last_bucket(group, FakeWork([], "x"), FakeBucket(True), torch.zeros(1))
+        defer_to_last_bucket(group, FakeWork([], "x"), BucketStub(True), torch.zeros(1))

@@ -17,7 +17,16 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as to
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from dcomm.ddp import PostLocalSGDState, post_localSGD_hook
-from dcomm_testing import BackwardOrderedMLP, DDPRun, assert_close, rank_groups, run_ranks, seeded_batch, seeded_mlp
+from dcomm_testing import (
+    BackwardOrderedMLP,
+    BucketStub,
+    DDPRun,
+    assert_close,
+    rank_groups,
+    run_ranks,
+    seeded_batch,
+    seeded_mlp,
+)
 
 STEPS = 6
 START = 3
@@ -250,20 +259,12 @@ def test_hook_rejects_other_states() -> None:
         post_localSGD_hook(None, None)  # type: ignore[arg-type]
 
 
-class FakeBucket:
-    def __init__(self, last: bool) -> None:
-        self.last = last
-
-    def is_last(self) -> bool:
-        return self.last
-
-
 def test_maybe_increase_iter_counts_last_buckets_like_torch() -> None:
     ours = PostLocalSGDState(None, None, 2, False)
     theirs = torch_plsgd.PostLocalSGDState(None, None, 2, False)
     for last in (False, True, False, True, True):
-        ours.maybe_increase_iter(FakeBucket(last))
-        theirs.maybe_increase_iter(FakeBucket(last))
+        ours.maybe_increase_iter(BucketStub(last))
+        theirs.maybe_increase_iter(BucketStub(last))
         assert ours.iter == theirs.iter
     assert ours.iter == 3
 

@@ -7,6 +7,7 @@ Example::
 """
 
 from dcomm_testing.helpers import (
+    BucketStub,
     assert_close,
     assert_same_on_ranks,
     assert_updates_close,
@@ -27,6 +28,7 @@ from dcomm_testing.training import DDPRun, PostLocalSGDRun, train_ddp, train_sgd
 
 __all__ = [
     "BackwardOrderedMLP",
+    "BucketStub",
     "DDPRun",
     "PostLocalSGDRun",
     "IMPLEMENTATIONS",

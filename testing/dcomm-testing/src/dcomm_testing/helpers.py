@@ -291,3 +291,19 @@ def cpu_record_stream_is_noop() -> contextlib.AbstractContextManager[None]:
             torch.Tensor.record_stream = original  # type: ignore[method-assign]
 
     return restored_on_exit()
+
+
+class BucketStub:
+    """The one thing some hook code reads from a ``dist.GradBucket``: whether it is the last.
+
+    Example::
+
+        >>> BucketStub(last=True).is_last()
+        True
+    """
+
+    def __init__(self, last: bool) -> None:
+        self.last = last
+
+    def is_last(self) -> bool:
+        return self.last

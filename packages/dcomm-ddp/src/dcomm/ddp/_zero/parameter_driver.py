@@ -84,7 +84,6 @@ class ParameterDriver(Driver):
         private.sync_param_groups(zero, zero.optim.param_groups, zero.param_groups)
         self.averages_itself = _is_allreduce_hook(setup.hook)
         self.average_plans: dict[tuple[torch.dtype, torch.device], AveragePlan] = {}
-        self.gradient_works: list[Any] = []  # this backward's own allreduces, waited for at its end
 
     def per_bucket_overlaps(self) -> bool:
         # Without interleaving every bucket is updated at the last one, as on the fused path but
@@ -147,7 +146,7 @@ class ParameterDriver(Driver):
         if average.pre != 1.0:
             buffer.div_(average.pre)
         work = start_allreduce(buffer, self.group, average.op)
-        self.gradient_works.append(work)
+        self.works.append(work)  # waited for at the last bucket (finish), before DDP reads any bucket
         return _Update(plan, completed_future(buffer), buffer.data_ptr(), work)
 
     def _average_plan(self, buffer: torch.Tensor) -> AveragePlan:
@@ -158,16 +157,6 @@ class ParameterDriver(Driver):
                 self.group, buffer.dtype, buffer.device, arithmetic="predivide", nccl_average=False
             )
         return plan
-
-    def end_backward(self) -> None:
-        # Before DDP copies any bucket into the gradients (a stream wait on CUDA).
-        works, self.gradient_works = self.gradient_works, []
-        for work in works:
-            work.wait()
-
-    def reset(self) -> None:
-        self.gradient_works.clear()
-        super().reset()
 
     def complete(self, item: _Update) -> None:
         """Wait for the bucket's averaged gradient, step this rank's share, send it out."""

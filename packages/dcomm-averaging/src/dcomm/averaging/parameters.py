@@ -268,28 +268,29 @@ def _average_group(flats: list[torch.Tensor], group: dist.ProcessGroup, staging:
     buffers, capacity = staging.typed(dtype, flats[0].element_size())
     op, pre, post = plan_average(group, dtype, flats[0].device, nccl_premul=False)
 
-    in_flight: list[tuple[dist.Work, torch.Tensor, list[_Segment]]] = []
+    # (work, staged bucket, its parameters' views, their lengths): each view is made once per call.
+    in_flight: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor], list[int]]] = []
 
-    def finish(work: dist.Work, staged: torch.Tensor, segments: list[_Segment]) -> None:
+    def finish(work: dist.Work, staged: torch.Tensor, views: list[torch.Tensor], lengths: list[int]) -> None:
         work.wait()  # on CUDA: the current stream waits for the collective, the host does not
         if post != 1.0:
             staged.div_(post)
-        targets = [s.view() for s in segments]
-        sources = list(staged.split([s.length for s in segments]))
-        foreach_copy_(targets, sources)
+        foreach_copy_(views, list(torch.split_with_sizes(staged, lengths)))
 
     for index, segments in enumerate(_buckets(flats, capacity)):
         if len(in_flight) == len(buffers):
             finish(*in_flight.pop(0))
-        staged = buffers[index % len(buffers)].narrow(0, 0, sum(s.length for s in segments))
-        if len(segments) == 1:
-            staged.copy_(segments[0].view())
+        views = [s.view() for s in segments]
+        lengths = [s.length for s in segments]
+        staged = buffers[index % len(buffers)].narrow(0, 0, sum(lengths))
+        if len(views) == 1:
+            staged.copy_(views[0])
         else:
-            torch.cat([s.view() for s in segments], out=staged)
+            torch.cat(views, out=staged)
         if pre != 1.0:
             staged.div_(pre)
         work = start_allreduce(staged, group, op)
-        in_flight.append((work, staged, segments))
+        in_flight.append((work, staged, views, lengths))
     while in_flight:
         finish(*in_flight.pop(0))
 

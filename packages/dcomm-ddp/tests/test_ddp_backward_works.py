@@ -21,19 +21,40 @@ def test_works_are_waited_for_at_the_last_bucket_of_their_group_only() -> None:
     group_a, group_b = object(), object()
     results = [torch.full((2,), float(i)) for i in range(4)]
     futs = [
-        defer_to_last_bucket(group_a, FakeWork(waited, "a0"), BucketStub(False), results[0]),
-        defer_to_last_bucket(group_b, FakeWork(waited, "b0"), BucketStub(False), results[1]),
-        defer_to_last_bucket(group_a, FakeWork(waited, "a1"), BucketStub(False), results[2]),
+        defer_to_last_bucket(group_a, FakeWork(waited, "a0"), BucketStub(False, 0), results[0]),
+        defer_to_last_bucket(group_b, FakeWork(waited, "b0"), BucketStub(False, 0), results[1]),
+        defer_to_last_bucket(group_a, FakeWork(waited, "a1"), BucketStub(False, 1), results[2]),
     ]
     assert waited == []  # nothing waits before the last bucket
     assert all(fut.done() for fut in futs)  # DDP may hold them: they are complete at once
     assert all(fut.value() is result for fut, result in zip(futs, results, strict=False))
-    defer_to_last_bucket(group_a, FakeWork(waited, "a2"), BucketStub(True), results[3])
+    defer_to_last_bucket(group_a, FakeWork(waited, "a2"), BucketStub(True, 2), results[3])
     assert waited == ["a0", "a1", "a2"]  # every work of the group, in launch order
-    defer_to_last_bucket(group_a, FakeWork(waited, "a3"), BucketStub(True), results[3])
-    assert waited == ["a0", "a1", "a2", "a3"]  # the next backward starts afresh
-    defer_to_last_bucket(group_b, FakeWork(waited, "b1"), BucketStub(True), results[3])
+    defer_to_last_bucket(group_a, FakeWork(waited, "a3"), BucketStub(False, 0), results[3])
+    assert waited == ["a0", "a1", "a2"]  # the next backward defers again
+    defer_to_last_bucket(group_a, FakeWork(waited, "a4"), BucketStub(True, 1), results[3])
+    assert waited[-2:] == ["a3", "a4"]
+    defer_to_last_bucket(group_b, FakeWork(waited, "b1"), BucketStub(True, 1), results[3])
     assert waited[-2:] == ["b0", "b1"]
+
+
+def test_buckets_out_of_order_are_waited_for_at_once_until_a_last_bucket() -> None:
+    # DDP's first static_graph iteration launches every bucket with the same index and no "last"
+    # one, then reads them all: from the second such call on, each call waits at once.
+    waited: list[str] = []
+    group = object()
+    for i in range(3):
+        defer_to_last_bucket(group, FakeWork(waited, f"s{i}"), BucketStub(False, 0), torch.zeros(1))
+    assert waited == ["s0", "s1", "s2"]  # nothing is left in flight after the final call
+    # The next backward pass comes in order; it still waits at once until its last bucket ...
+    defer_to_last_bucket(group, FakeWork(waited, "n0"), BucketStub(False, 0), torch.zeros(1))
+    defer_to_last_bucket(group, FakeWork(waited, "n1"), BucketStub(True, 1), torch.zeros(1))
+    assert waited[-2:] == ["n0", "n1"]
+    # ... and the one after it defers again.
+    defer_to_last_bucket(group, FakeWork(waited, "m0"), BucketStub(False, 0), torch.zeros(1))
+    assert waited[-1] == "n1"
+    defer_to_last_bucket(group, FakeWork(waited, "m1"), BucketStub(True, 1), torch.zeros(1))
+    assert waited[-2:] == ["m0", "m1"]
 
 
 def test_a_failed_collective_raises_at_the_last_bucket() -> None:
@@ -42,6 +63,6 @@ def test_a_failed_collective_raises_at_the_last_bucket() -> None:
             raise RuntimeError("collective failed")
 
     group = object()
-    defer_to_last_bucket(group, FailedWork(), BucketStub(False), torch.zeros(1))
+    defer_to_last_bucket(group, FailedWork(), BucketStub(False, 0), torch.zeros(1))
     with pytest.raises(RuntimeError, match="collective failed"):
-        defer_to_last_bucket(group, FakeWork([], "x"), BucketStub(True), torch.zeros(1))
+        defer_to_last_bucket(group, FakeWork([], "x"), BucketStub(True, 1), torch.zeros(1))

@@ -257,3 +257,64 @@ def _sparse_gradients(rank: int, world: int) -> None:
 @pytest.mark.timeout(300)
 def test_sparse_gradients_named_in_compress_hooks() -> None:
     run_ranks(_sparse_gradients, 2)
+
+
+class PartlyUsed(nn.Module):
+    """The test MLP, with an ``unused`` layer that gets no gradient when ``unused`` is True."""
+
+    def __init__(self, unused: bool) -> None:
+        super().__init__()
+        self.body = seeded_mlp(6, 12, 12, 3)
+        torch.manual_seed(1)
+        self.unused = nn.Linear(3, 3) if unused else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _ddp_modes(rank: int, world: int) -> None:
+    # DDP hands buckets to the hook in other ways in these modes: all at once from its
+    # post-backward callback, with one index and none "last" (static_graph's first iteration),
+    # with unused parameters marked ready by DDP itself, or with gradients that are views of the
+    # buckets. The reducer path's completed futures must give torch's results in each: a
+    # gradient read before its allreduce finished is off by its whole local/average gap.
+    modes = [
+        {"static_graph": True},
+        {"find_unused_parameters": True},
+        {"gradient_as_bucket_view": True},
+        {"static_graph": True, "find_unused_parameters": True, "gradient_as_bucket_view": True},
+    ]
+    hooks = {
+        "allreduce": (allreduce_hook, torch_hooks.allreduce_hook),
+        "fp16": (fp16_compress_hook, torch_hooks.fp16_compress_hook),
+    }
+    for kwargs in modes:
+        # Unused parameters only where DDP is told to expect them (otherwise it raises).
+        unused = bool(kwargs.get("find_unused_parameters") or kwargs.get("static_graph"))
+        initial = [p.detach().clone() for p in PartlyUsed(unused).body.parameters()]
+        for name, (ours_hook, torch_hook) in hooks.items():
+            grads, params = {}, {}
+            for impl, hook in (("ours", ours_hook), ("torch", torch_hook)):
+                net = PartlyUsed(unused)
+                ddp = DDP(net, bucket_cap_mb_list=BUCKET_CAPS, **kwargs)
+                ddp.register_comm_hook(None, hook)
+                opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+                grads[impl] = []
+                for step in range(STEPS):
+                    opt.zero_grad()
+                    ddp(seeded_batch(rank, step, (5, 6))).pow(2).sum().backward()
+                    grads[impl] += [p.grad.clone() for p in net.body.parameters()]
+                    opt.step()
+                params[impl] = [p.detach().clone() for p in net.body.parameters()]  # the unused layer stays
+            what = f"{name} hook under {kwargs}"
+            if name == "allreduce":
+                assert_close(grads["ours"] + params["ours"], grads["torch"] + params["torch"], 0.0, what)
+            else:  # torch's rounding: the changes agree within the other fp16 tests' tolerance
+                assert_updates_close(params["ours"], params["torch"], initial, FP16_RTOL, what)
+            assert_same_on_ranks(params["ours"], what)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_reducer_path_matches_torch_in_every_ddp_mode(world: int) -> None:
+    run_ranks(_ddp_modes, world)

@@ -658,6 +658,16 @@ def _errors(rank: int, world: int) -> None:
             build(allreduce_hook, torch.nn.Linear(2, 2), fresh()[1])
         with pytest.raises(TypeError, match=r"zero: expected a ZeroRedundancyOptimizer, got SGD"):
             build(allreduce_hook, fresh()[0], torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+        # static_graph=True with several first-iteration buckets: DDP hands them over at once,
+        # none "last"; without the check the run silently drifts from plain ZeRO.
+        for rs in (False, True):
+            static = DDP(make_model(), bucket_cap_mb_list=[0.0003] * 8, static_graph=True)
+            static_zero = ZeroRedundancyOptimizer(
+                static.parameters(), optimizer_class=torch.optim.SGD, overlap_with_ddp=True, lr=0.1
+            )
+            static.register_comm_hook(None, build(allreduce_hook, static, static_zero, reduce_scatter=rs))
+            with pytest.raises(RuntimeError, match=r"hook: DDP was built with static_graph=True"):
+                static(batch(dist.get_rank(), 0)).sum().backward()
         for bad, pattern in [
             (post_localSGD_hook, r"hook: post_localSGD_hook cannot be wrapped"),
             (lambda bucket: bucket, r"hook: <lambda> does not take \(state, bucket\)"),

@@ -294,16 +294,19 @@ def cpu_record_stream_is_noop() -> contextlib.AbstractContextManager[None]:
 
 
 class BucketStub:
-    """The one thing some hook code reads from a ``dist.GradBucket``: whether it is the last.
+    """What some hook code reads from a ``dist.GradBucket``: its index and whether it is the last.
 
     Example::
 
-        >>> BucketStub(last=True).is_last()
+        >>> BucketStub(last=True, index=3).is_last()
         True
     """
 
-    def __init__(self, last: bool) -> None:
-        self.last = last
+    def __init__(self, last: bool, index: int = 0) -> None:
+        self.last, self._index = last, index
 
     def is_last(self) -> bool:
         return self.last
+
+    def index(self) -> int:
+        return self._index

@@ -9,9 +9,12 @@ it would through the collectives' own futures, and no bucket pays for a ``Future
 callback: on CUDA each one records events, waits on streams and re-enters Python, on the
 autograd thread that also launches the backward kernels.
 
-Waiting for more than needed is harmless, so works are kept per process group: two models that
-share a group and run their backward passes one after the other each wait at their own last
-bucket.
+DDP does not always hand buckets over one by one, though. In the first iteration with
+``static_graph=True`` it launches every bucket from its post-backward callback with the same index,
+none of them "last", and reads them right after; two models sharing a group interleave their
+buckets. So a bucket whose index does not follow the previous one (for this group) makes every
+call wait at once, its own collective included, until a last bucket is seen again. Waiting for
+more than needed is harmless; works are kept per process group.
 
 Example::
 
@@ -21,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,8 +34,17 @@ from dcomm.core import completed_future
 
 __all__ = ["defer_to_last_bucket"]
 
-# Process group -> the works launched by hooks since the last bucket of a backward pass.
-_IN_FLIGHT: dict[Any, list[Any]] = {}
+
+@dataclass
+class _InFlight:
+    """One process group's works since its last bucket, and how the buckets have come so far."""
+
+    works: list[Any] = field(default_factory=list)
+    last_index: int = -1
+    wait_at_once: bool = False  # the buckets stopped following each other: wait at every call
+
+
+_IN_FLIGHT: dict[Any, _InFlight] = {}
 
 
 def defer_to_last_bucket(
@@ -42,10 +55,19 @@ def defer_to_last_bucket(
     Only for hooks that DDP's reducer calls: a Python caller may read ``result`` as soon as the
     future is returned.
     """
-    works = _IN_FLIGHT.setdefault(group, [])
-    works.append(work)
-    if bucket.is_last():
-        del _IN_FLIGHT[group]
+    state = _IN_FLIGHT.get(group)
+    if state is None:
+        state = _IN_FLIGHT[group] = _InFlight()
+    index = bucket.index()
+    if index <= state.last_index:
+        state.wait_at_once = True
+    state.works.append(work)
+    state.last_index = index
+    last = bucket.is_last()
+    if last or state.wait_at_once:
+        works, state.works = state.works, []
         for pending in works:
             pending.wait()  # a stream wait on CUDA; re-raises a failed collective's error
+    if last:
+        state.last_index, state.wait_at_once = -1, False
     return completed_future(result)

@@ -226,6 +226,22 @@ class Driver:
         for work in works:
             work.wait()
 
+    def refuse_buckets_at_once(self) -> None:
+        """Raise if DDP hands over several buckets at once, as ``static_graph=True`` first does.
+
+        In its first iteration a static-graph DDP launches every bucket from its post-backward
+        callback, all with index 0 and none last, so the updates could not be ordered or
+        stepped: the run would silently drift from a non-overlapped ZeRO. A model that fits in
+        DDP's first bucket (1 MiB) has a single bucket then, and works.
+        """
+        ddp = self._ddp()
+        if ddp is not None and getattr(ddp, "static_graph", False):
+            raise RuntimeError(
+                "hook: DDP was built with static_graph=True and handed over several buckets at once in its "
+                "first iteration (the model is larger than DDP's first bucket), which the ZeRO overlap hooks "
+                "cannot order; build DistributedDataParallel without static_graph for them"
+            )
+
     def reset(self) -> None:
         """Drop what an interrupted backward left behind."""
         self.pending.clear()
@@ -240,6 +256,7 @@ class Driver:
         index = bucket.index()
         if index == 0:
             if self.pending or self.works:
+                self.refuse_buckets_at_once()
                 self.reset()
             buffer = bucket.buffer()
             if self.stream is None and buffer.is_cuda:

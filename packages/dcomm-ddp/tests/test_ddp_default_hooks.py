@@ -318,3 +318,29 @@ def _ddp_modes(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_reducer_path_matches_torch_in_every_ddp_mode(world: int) -> None:
     run_ranks(_ddp_modes, world)
+
+
+def _uneven_inputs(rank: int, world: int) -> None:
+    # Under torch's Join, a rank that ran out of data shadows the others' allreduces by calling
+    # the hook itself (from Python), while the others' DDP reducers call it: both paths meet.
+    from torch.distributed.algorithms.join import Join
+
+    results = {}
+    for name, hook in (("ours", allreduce_hook), ("torch", torch_hooks.allreduce_hook)):
+        net = seeded_mlp(6, 12, 12, 3)
+        ddp = DDP(net, bucket_cap_mb_list=BUCKET_CAPS)
+        ddp.register_comm_hook(None, hook)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        with Join([ddp]):
+            for step in range(STEPS + rank):  # rank r has r more batches
+                opt.zero_grad()
+                ddp(seeded_batch(rank, step, (5, 6))).pow(2).sum().backward()
+                opt.step()
+        results[name] = [p.detach().clone() for p in net.parameters()]
+    assert_close(results["ours"], results["torch"], 0.0, "allreduce_hook under Join with uneven inputs")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_uneven_inputs_under_join_match_torch(world: int) -> None:
+    run_ranks(_uneven_inputs, world)

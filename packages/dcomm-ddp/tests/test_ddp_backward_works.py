@@ -7,6 +7,10 @@ from dcomm.ddp._backward_works import defer_to_last_bucket
 from dcomm_testing import BucketStub
 
 
+class FakeGroup:
+    """A stand-in for a process group (a key the works are kept under)."""
+
+
 class FakeWork:
     def __init__(self, log: list[str], name: str) -> None:
         self.log, self.name = log, name
@@ -18,7 +22,7 @@ class FakeWork:
 
 def test_works_are_waited_for_at_the_last_bucket_of_their_group_only() -> None:
     waited: list[str] = []
-    group_a, group_b = object(), object()
+    group_a, group_b = FakeGroup(), FakeGroup()
     results = [torch.full((2,), float(i)) for i in range(4)]
     futs = [
         defer_to_last_bucket(group_a, FakeWork(waited, "a0"), BucketStub(False, 0), results[0]),
@@ -42,7 +46,7 @@ def test_buckets_out_of_order_are_waited_for_at_once_until_a_last_bucket() -> No
     # DDP's first static_graph iteration launches every bucket with the same index and no "last"
     # one, then reads them all: from the second such call on, each call waits at once.
     waited: list[str] = []
-    group = object()
+    group = FakeGroup()
     for i in range(3):
         defer_to_last_bucket(group, FakeWork(waited, f"s{i}"), BucketStub(False, 0), torch.zeros(1))
     assert waited == ["s0", "s1", "s2"]  # nothing is left in flight after the final call
@@ -62,7 +66,21 @@ def test_a_failed_collective_raises_at_the_last_bucket() -> None:
         def wait(self) -> bool:
             raise RuntimeError("collective failed")
 
-    group = object()
+    group = FakeGroup()
     defer_to_last_bucket(group, FailedWork(), BucketStub(False, 0), torch.zeros(1))
     with pytest.raises(RuntimeError, match="collective failed"):
         defer_to_last_bucket(group, FakeWork([], "x"), BucketStub(True, 1), torch.zeros(1))
+
+
+def test_a_deleted_group_takes_its_entry_with_it() -> None:
+    import gc
+
+    from dcomm.ddp._backward_works import _IN_FLIGHT
+
+    group = FakeGroup()
+    defer_to_last_bucket(group, FakeWork([], "x"), BucketStub(False, 0), torch.zeros(1))
+    assert group in _IN_FLIGHT
+    before = len(_IN_FLIGHT)
+    del group
+    gc.collect()
+    assert len(_IN_FLIGHT) == before - 1

@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +45,8 @@ class _InFlight:
     wait_at_once: bool = False  # the buckets stopped following each other: wait at every call
 
 
-_IN_FLIGHT: dict[Any, _InFlight] = {}
+# Weak keys: a destroyed process group takes its entry with it.
+_IN_FLIGHT: weakref.WeakKeyDictionary[Any, _InFlight] = weakref.WeakKeyDictionary()
 
 
 def defer_to_last_bucket(

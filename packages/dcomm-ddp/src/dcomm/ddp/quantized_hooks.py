@@ -80,7 +80,15 @@ class QuantizedState(ResumableHookState):
         >>> ddp_model.register_comm_hook(state, fp8_compress_hook)  # doctest: +SKIP
     """
 
-    __slots__ = ("_averagers", "_pattern", "block_size", "bytes_sent", "error_feedback", "shard_error_dict")
+    __slots__ = (
+        "_averagers",
+        "_last_index",
+        "_pattern",
+        "block_size",
+        "bytes_sent",
+        "error_feedback",
+        "shard_error_dict",
+    )
 
     _SETTINGS = ("error_feedback", "block_size")
     _MEMORY = ("error_dict", "shard_error_dict")
@@ -99,6 +107,18 @@ class QuantizedState(ResumableHookState):
         # rank must use the same. Internal: for measuring, not an API.
         self._pattern = "two_shot"
         self._averagers: dict[tuple[str, str], QuantizedAverage] = {}
+        self._last_index = -1  # of the previous bucket of this backward pass (-1 after a last one)
+
+    def _follows(self, bucket: dist.GradBucket) -> bool:
+        """Whether ``bucket`` comes after the previous one, as DDP normally hands them over.
+
+        In ``static_graph=True``'s first iteration DDP launches every bucket at once, all with
+        index 0: those after the first must not share its buffers or its error memory.
+        """
+        index = bucket.index()
+        follows = index > self._last_index
+        self._last_index = -1 if bucket.is_last() else index
+        return follows
 
     def __repr__(self) -> str:
         return (
@@ -169,13 +189,16 @@ def _quantized_average(fmt: str, state: QuantizedState, bucket: dist.GradBucket)
         return completed_future(buffer)
     averager = state._averager(fmt)
     index, numel = bucket.index(), buffer.numel()
+    # A bucket out of order (static_graph's first iteration) gets buffers of its own and no error
+    # memory: the index no longer names one bucket.
+    in_order = state._follows(bucket)
     error = shard_error = None
-    if state.error_feedback:
+    if state.error_feedback and in_order:
         error = state._memory("error_dict", index, averager.padded_numel(numel, world), buffer.device)
         if averager.shard_numel(numel, world):
             shard_error = state._memory("shard_error_dict", index, averager.shard_numel(numel, world), buffer.device)
     # Encoding runs here, on the hook's stream; the rest on the averager's side stream.
-    pending = averager.begin(buffer, group, error=error, shard_error=shard_error, key=index)
+    pending = averager.begin(buffer, group, error=error, shard_error=shard_error, key=index if in_order else None)
     state.bytes_sent += pending.bytes_sent
     return state._chain.run(pending.launch, lambda _: pending.result())
 

@@ -71,7 +71,7 @@ class ResumableHookState:
         >>> state.load_state_dict(state.state_dict())  # doctest: +SKIP
     """
 
-    __slots__ = ("_chain", "error_dict", "process_group")
+    __slots__ = ("_chain", "_last_index", "error_dict", "process_group")
 
     _SETTINGS: ClassVar[tuple[str, ...]]
     _MEMORY: ClassVar[tuple[str, ...]]
@@ -82,6 +82,18 @@ class ResumableHookState:
         )
         self._chain = OrderedChain()
         self.error_dict: dict[int, torch.Tensor] = {}
+        self._last_index = -1  # of the previous bucket of this backward pass (-1 after a last one)
+
+    def _follows(self, bucket: dist.GradBucket) -> bool:
+        """Whether ``bucket`` comes after the previous one, as DDP normally hands them over.
+
+        In ``static_graph=True``'s first iteration DDP launches every bucket at once, all with
+        index 0: the memories kept per index cannot serve those after the first.
+        """
+        index = bucket.index()
+        follows = index > self._last_index
+        self._last_index = -1 if bucket.is_last() else index
+        return follows
 
     def state_dict(self) -> dict[str, Any]:
         """The settings, the progress and copies of the memories (they do not change as training goes on).

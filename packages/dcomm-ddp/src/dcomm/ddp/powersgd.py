@@ -374,6 +374,12 @@ def _run(
     warm_up = _warm_up(checked, bucket)
     if warm_up is not None:
         return warm_up
+    if not checked._follows(bucket):
+        # A bucket out of order (static_graph's first iteration hands every bucket over with
+        # index 0): the memories kept per index belong to another bucket, so average it plainly.
+        group = resolve_group(checked.process_group)
+        checked.maybe_increase_iter(bucket)
+        return allreduce_future(bucket.buffer(), group, predivide=float(group.size()))
     return compress(checked, bucket)
 
 

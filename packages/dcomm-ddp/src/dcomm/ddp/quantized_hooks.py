@@ -80,15 +80,7 @@ class QuantizedState(ResumableHookState):
         >>> ddp_model.register_comm_hook(state, fp8_compress_hook)  # doctest: +SKIP
     """
 
-    __slots__ = (
-        "_averagers",
-        "_last_index",
-        "_pattern",
-        "block_size",
-        "bytes_sent",
-        "error_feedback",
-        "shard_error_dict",
-    )
+    __slots__ = ("_averagers", "_pattern", "block_size", "bytes_sent", "error_feedback", "shard_error_dict")
 
     _SETTINGS = ("error_feedback", "block_size")
     _MEMORY = ("error_dict", "shard_error_dict")
@@ -107,18 +99,6 @@ class QuantizedState(ResumableHookState):
         # rank must use the same. Internal: for measuring, not an API.
         self._pattern = "two_shot"
         self._averagers: dict[tuple[str, str], QuantizedAverage] = {}
-        self._last_index = -1  # of the previous bucket of this backward pass (-1 after a last one)
-
-    def _follows(self, bucket: dist.GradBucket) -> bool:
-        """Whether ``bucket`` comes after the previous one, as DDP normally hands them over.
-
-        In ``static_graph=True``'s first iteration DDP launches every bucket at once, all with
-        index 0: those after the first must not share its buffers or its error memory.
-        """
-        index = bucket.index()
-        follows = index > self._last_index
-        self._last_index = -1 if bucket.is_last() else index
-        return follows
 
     def __repr__(self) -> str:
         return (

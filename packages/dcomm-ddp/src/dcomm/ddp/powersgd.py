@@ -377,9 +377,14 @@ def _run(
     if not checked._follows(bucket):
         # A bucket out of order (static_graph's first iteration hands every bucket over with
         # index 0): the memories kept per index belong to another bucket, so average it plainly.
-        group = resolve_group(checked.process_group)
+        # Launched through the chain: on gloo it must follow the previous buckets' collectives.
+        # The closure names the group through the state, never holds it (see _compress_matrices).
+        buffer, world = bucket.buffer(), float(resolve_group(checked.process_group).size())
         checked.maybe_increase_iter(bucket)
-        return allreduce_future(bucket.buffer(), group, predivide=float(group.size()))
+        return checked._chain.run(
+            lambda: allreduce_future(buffer, resolve_group(checked.process_group), predivide=world),
+            lambda fut: fut.value(),
+        )
     return compress(checked, bucket)
 
 

@@ -9,11 +9,10 @@ it would through the collectives' own futures, and no bucket pays for a ``Future
 callback: on CUDA each one records events, waits on streams and re-enters Python, on the
 autograd thread that also launches the backward kernels.
 
-DDP does not always hand buckets over one by one, though. In the first iteration with
-``static_graph=True`` it launches every bucket from its post-backward callback with the same index,
-none of them "last", and reads them right after; two models sharing a group interleave their
-buckets. So a bucket whose index does not follow the previous one (for this group) makes every
-call wait at once, its own collective included, until a last bucket is seen again. Waiting for
+DDP does not always hand buckets over one by one, though (see :mod:`dcomm.ddp._bucket_order`):
+in ``static_graph=True``'s first iteration it reads them right after launching them all. So a
+bucket that does not follow the previous one (for this group) makes every call wait at once,
+its own collective included, until a last bucket is seen again. Waiting for
 more than needed is harmless; works are kept per process group.
 
 Example::
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dcomm.core import completed_future
+from dcomm.ddp._bucket_order import BucketOrder
 
 __all__ = ["defer_to_last_bucket"]
 
@@ -41,7 +41,7 @@ class _InFlight:
     """One process group's works since its last bucket, and how the buckets have come so far."""
 
     works: list[Any] = field(default_factory=list)
-    last_index: int = -1
+    order: BucketOrder = field(default_factory=BucketOrder)
     wait_at_once: bool = False  # the buckets stopped following each other: wait at every call
 
 
@@ -60,16 +60,14 @@ def defer_to_last_bucket(
     state = _IN_FLIGHT.get(group)
     if state is None:
         state = _IN_FLIGHT[group] = _InFlight()
-    index = bucket.index()
-    if index <= state.last_index:
+    if not state.order.follows(bucket):
         state.wait_at_once = True
     state.works.append(work)
-    state.last_index = index
     last = bucket.is_last()
     if last or state.wait_at_once:
         works, state.works = state.works, []
         for pending in works:
             pending.wait()  # a stream wait on CUDA; re-raises a failed collective's error
     if last:
-        state.last_index, state.wait_at_once = -1, False
+        state.wait_at_once = False
     return completed_future(result)

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from dcomm.core.validation import check_state_dict, process_group_or_none
+from dcomm.ddp._bucket_order import BucketOrder
 from dcomm.ddp._ordered_chain import OrderedChain
 
 __all__ = ["ResumableHookState"]
@@ -71,7 +72,7 @@ class ResumableHookState:
         >>> state.load_state_dict(state.state_dict())  # doctest: +SKIP
     """
 
-    __slots__ = ("_chain", "_last_index", "error_dict", "process_group")
+    __slots__ = ("_chain", "_order", "error_dict", "process_group")
 
     _SETTINGS: ClassVar[tuple[str, ...]]
     _MEMORY: ClassVar[tuple[str, ...]]
@@ -82,18 +83,13 @@ class ResumableHookState:
         )
         self._chain = OrderedChain()
         self.error_dict: dict[int, torch.Tensor] = {}
-        self._last_index = -1  # of the previous bucket of this backward pass (-1 after a last one)
+        # In static_graph=True's first iteration every bucket comes with index 0: the memories
+        # kept per index cannot serve those after the first (see _follows).
+        self._order = BucketOrder()
 
     def _follows(self, bucket: dist.GradBucket) -> bool:
-        """Whether ``bucket`` comes after the previous one, as DDP normally hands them over.
-
-        In ``static_graph=True``'s first iteration DDP launches every bucket at once, all with
-        index 0: the memories kept per index cannot serve those after the first.
-        """
-        index = bucket.index()
-        follows = index > self._last_index
-        self._last_index = -1 if bucket.is_last() else index
-        return follows
+        """Whether ``bucket`` comes after the previous one, so that its index names it alone."""
+        return self._order.follows(bucket)
 
     def state_dict(self) -> dict[str, Any]:
         """The settings, the progress and copies of the memories (they do not change as training goes on).

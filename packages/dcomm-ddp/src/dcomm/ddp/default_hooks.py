@@ -80,10 +80,20 @@ def _in_place_plan(group: dist.ProcessGroup, dtype: torch.dtype, device: torch.d
     return plan_average(group, dtype, device, arithmetic="predivide", nccl_average=False, nccl_premul=exact)
 
 
-def _average(group: dist.ProcessGroup, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """Average ``tensor`` in place over ``group`` (torch's arithmetic); a future of ``tensor``."""
+def _average(
+    group: dist.ProcessGroup, tensor: torch.Tensor, bucket: dist.GradBucket | None
+) -> torch.futures.Future[torch.Tensor]:
+    """Average ``tensor`` in place over ``group`` (torch's arithmetic); a future of ``tensor``.
+
+    ``bucket``: the bucket DDP's reducer is handing over, whose future may complete at once (see
+    :mod:`dcomm.ddp._backward_works`); None for a Python caller, who gets torch's contract.
+    """
     plan = _in_place_plan(group, tensor.dtype, tensor.device)
-    return allreduce_future(tensor, group, predivide=plan.pre, postdivide=plan.post, op=plan.op)
+    if bucket is None:
+        return allreduce_future(tensor, group, predivide=plan.pre, postdivide=plan.post, op=plan.op)
+    if plan.pre != 1.0:
+        tensor.div_(plan.pre)  # the in-place plan divides only before the sum
+    return defer_to_last_bucket(group, start_allreduce(tensor, group, plan.op), bucket, tensor)
 
 
 def _low_precision_copy(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -132,9 +142,10 @@ def _compress_hook(
             "parameter with sparse gradients, e.g. nn.Embedding(sparse=True)); register "
             "dcomm.ddp.allreduce_hook instead, or build the layer with sparse=False"
         )
+    by_reducer = _called_by_reducer(_caller_of_hook())
     if buffer.dtype == dtype:
         # Already low precision (a half-precision model): average in place, nothing to cast.
-        return _average(group, buffer)
+        return _average(group, buffer, bucket if by_reducer else None)
     plan = _plan(group, buffer, dtype)
     low = _low_precision_copy(buffer, dtype)
     if plan.pre == 1.0:
@@ -142,7 +153,7 @@ def _compress_hook(
     else:
         torch.div(buffer, plan.pre, out=low)  # cast and divide: one kernel
     work = start_allreduce(low, group)  # plan.op is SUM: torch's arithmetic
-    if _called_by_reducer(_caller_of_hook()):
+    if by_reducer:
         # DDP copies the result into the gradients in their own dtype: that copy is the cast back.
         return defer_to_last_bucket(group, work, bucket, low)
     fut = work.get_future()
@@ -168,13 +179,8 @@ def allreduce_hook(
         >>> ddp_model.register_comm_hook(None, allreduce_hook)  # doctest: +SKIP
     """
     group = _check_group(process_group, "allreduce_hook")
-    buffer = bucket.buffer()
-    if not _called_by_reducer(_caller_of_hook(depth=2)):
-        return _average(group, buffer)
-    plan = _in_place_plan(group, buffer.dtype, buffer.device)
-    if plan.pre != 1.0:
-        buffer.div_(plan.pre)
-    return defer_to_last_bucket(group, start_allreduce(buffer, group, plan.op), bucket, buffer)
+    by_reducer = _called_by_reducer(_caller_of_hook(depth=2))
+    return _average(group, bucket.buffer(), bucket if by_reducer else None)
 
 
 def fp16_compress_hook(

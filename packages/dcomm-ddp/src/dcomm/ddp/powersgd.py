@@ -297,13 +297,19 @@ def _report_stats(state: PowerSGDState, bucket: dist.GradBucket) -> None:
         state.next_stats_report = state.iter + state.compression_stats_logging_frequency
 
 
-def _warm_up(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor] | None:
-    """Before ``start_powerSGD_iter``: a plain averaging allreduce (torch's arithmetic)."""
-    if state.iter >= state.start_powerSGD_iter:
-        return None
-    group = resolve_group(state.process_group)
+def _plain_average(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """An averaging allreduce of the bucket (torch's arithmetic), after the previous buckets' collectives.
+
+    Through the state's chain: on gloo it must follow the collectives that earlier buckets launch
+    from their callbacks. The closure names the group through the state, never holds it (see
+    :func:`_compress_matrices`).
+    """
+    buffer, world = bucket.buffer(), float(resolve_group(state.process_group).size())
     state.maybe_increase_iter(bucket)
-    return allreduce_future(bucket.buffer(), group, predivide=float(group.size()))
+    return state._chain.run(
+        lambda: allreduce_future(buffer, resolve_group(state.process_group), predivide=world),
+        lambda fut: fut.value(),
+    )
 
 
 def _allreduce_and_wait(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
@@ -371,20 +377,11 @@ def _run(
 ) -> torch.futures.Future[torch.Tensor]:
     """Both hooks: check ``state``, average plainly before ``start_powerSGD_iter``, then ``compress``."""
     checked = _check_state(state, hook)
-    warm_up = _warm_up(checked, bucket)
-    if warm_up is not None:
-        return warm_up
-    if not checked._follows(bucket):
-        # A bucket out of order (static_graph's first iteration hands every bucket over with
-        # index 0): the memories kept per index belong to another bucket, so average it plainly.
-        # Launched through the chain: on gloo it must follow the previous buckets' collectives.
-        # The closure names the group through the state, never holds it (see _compress_matrices).
-        buffer, world = bucket.buffer(), float(resolve_group(checked.process_group).size())
-        checked.maybe_increase_iter(bucket)
-        return checked._chain.run(
-            lambda: allreduce_future(buffer, resolve_group(checked.process_group), predivide=world),
-            lambda fut: fut.value(),
-        )
+    # Before start_powerSGD_iter, and for a bucket out of order (static_graph's first iteration
+    # hands every bucket over with index 0, so the memories kept per index belong to another
+    # bucket): a plain average.
+    if checked.iter < checked.start_powerSGD_iter or not checked._follows(bucket):
+        return _plain_average(checked, bucket)
     return compress(checked, bucket)
 
 

@@ -198,6 +198,9 @@ def test_demo_refuses_steps_that_leave_no_diloco_step_after_the_ddp_start(capsys
     assert demo_main(["--config", "tiny", "--steps", "5", "--diloco-start", "5"]) == 2
     with pytest.raises(SystemExit):
         demo_main(["--diloco-start", "-1"])
+    with pytest.raises(SystemExit):
+        demo_main(["--diloco-every", "0"])
+    assert "--diloco-every: expected at least 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--diloco-start", type=int, help="DDP steps before DiLoCo takes over (default: the configuration's)"
     )
+    parser.add_argument(
+        "--diloco-every", type=int, help="DiLoCo's inner steps per sync, H (default: the configuration's)"
+    )
     parser.add_argument("--only", nargs="+", metavar="WORD", help="run only algorithms whose name contains a WORD")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("demo-report"), help="report folder")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, help="relative; default 0.01")
@@ -73,6 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--steps: expected at least 1, got {args.steps}")
     if args.diloco_start is not None and args.diloco_start < 0:
         parser.error(f"--diloco-start: expected 0 or more, got {args.diloco_start}")
+    if args.diloco_every is not None and args.diloco_every < 1:
+        parser.error(f"--diloco-every: expected at least 1, got {args.diloco_every}")
     if args.only and not any(word.lower() in name.lower() for name in ALGORITHMS for word in args.only):
         parser.error(f"--only: no algorithm name contains any of {args.only}")
     return args
@@ -117,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         world_size=args.world_size or config.world_size,
         steps=args.steps or config.steps,
         diloco_start=config.diloco_start if args.diloco_start is None else args.diloco_start,
+        diloco_every=args.diloco_every or config.diloco_every,
     )
     if config.diloco_start >= config.steps:
         print(

@@ -266,3 +266,42 @@ def _nccl(rank: int, world: int) -> None:
         assert ((out.cpu().double() - exact).abs() <= bound).all(), fmt
         assert gpu_state.bytes_sent == quantized_allreduce_bytes(numel, world, fmt, BLOCK)
         assert out.is_cuda
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cuda_graphs_give_the_eager_averages_bit_for_bit_on_nccl() -> None:
+    run_ranks(_graphs_match_eager, 2, backend="nccl", timeout=TIMEOUT)
+
+
+def _graphs_match_eager(rank: int, world: int) -> None:
+    from dcomm.ddp._captured_average import CAPTURE_AFTER
+    from dcomm_testing import DDPRun
+
+    device = torch.device("cuda", rank)
+    batches = [seeded_normal(100 + 7 * step + rank, (16, 64), dtype=torch.float32).to(device) for step in range(12)]
+    for fmt, hook in HOOKS.items():
+        runs = {}
+        for graphs in (True, False):
+            state = QuantizedState(None, error_feedback=True, block_size=BLOCK)
+            state._graphs.enabled = graphs
+            model = seeded_mlp(64, 256, 256, 256, 8, device=device)
+            run = DDPRun(model, hook, state, batches.__getitem__, device_ids=[rank], bucket_cap_mb=0.1)
+            runs[graphs] = (run, state)
+        for step in range(len(batches)):
+            for run, _ in runs.values():
+                run.step(step)
+            with_graphs, eager = (run.params() for run, _ in runs.values())
+            for a, b in zip(with_graphs, eager, strict=True):
+                assert torch.equal(a, b), (fmt, step)
+        state_with, state_eager = (state for _, state in runs.values())
+        buckets = len(runs[True][0].ddp.reducer._get_zeros_like_grad_buckets())
+        assert buckets > 2
+        assert len(state_with._graphs) == buckets, (fmt, buckets, len(state_with._graphs))
+        assert len(state_eager._graphs) == 0
+        assert state_with.bytes_sent == state_eager.bytes_sent > 0
+        for key in ("error_dict", "shard_error_dict"):
+            mine, theirs = getattr(state_with, key), getattr(state_eager, key)
+            assert mine.keys() == theirs.keys()
+            assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert len(batches) - 3 > CAPTURE_AFTER  # steps with graphs were compared

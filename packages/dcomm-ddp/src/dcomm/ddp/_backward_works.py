@@ -33,7 +33,7 @@ import torch.distributed as dist
 from dcomm.core import completed_future
 from dcomm.ddp._bucket_order import BucketOrder
 
-__all__ = ["defer_to_last_bucket"]
+__all__ = ["defer_to_last_bucket", "wait_deferred"]
 
 
 @dataclass
@@ -71,3 +71,19 @@ def defer_to_last_bucket(
     if last:
         state.wait_at_once = False
     return completed_future(result)
+
+
+def wait_deferred(group: dist.ProcessGroup) -> None:
+    """Wait now for the works deferred on ``group``: for a last bucket that a hook handles otherwise.
+
+    A hook that defers some buckets and returns a real future for others calls this at a last
+    bucket of the second kind, so that DDP never reads a bucket whose work is still deferred.
+    """
+    state = _IN_FLIGHT.get(group)
+    if state is None:
+        return
+    works, state.works = state.works, []
+    for pending in works:
+        pending.wait()
+    state.wait_at_once = False
+    state.order = BucketOrder()

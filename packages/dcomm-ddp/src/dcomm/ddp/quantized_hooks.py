@@ -38,9 +38,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcomm.core import QuantizedAverage, completed_future, quantized_average_bytes, resolve_group
+from dcomm.core import QuantizedAverage, completed_future, quantized_average_bytes, reduced_by_nccl, resolve_group
 from dcomm.core.validation import boolean, even_int, non_negative_int
+from dcomm.ddp._backward_works import defer_to_last_bucket, wait_deferred
+from dcomm.ddp._captured_average import CapturedAverages
 from dcomm.ddp._hook_state import ResumableHookState
+from dcomm.ddp.default_hooks import _called_by_reducer, _caller_of_hook
 
 __all__ = ["QuantizedState", "fp8_compress_hook", "int8_compress_hook", "quantized_allreduce_bytes"]
 
@@ -80,7 +83,7 @@ class QuantizedState(ResumableHookState):
         >>> ddp_model.register_comm_hook(state, fp8_compress_hook)  # doctest: +SKIP
     """
 
-    __slots__ = ("_averagers", "_pattern", "block_size", "bytes_sent", "error_feedback", "shard_error_dict")
+    __slots__ = ("_averagers", "_graphs", "_pattern", "block_size", "bytes_sent", "error_feedback", "shard_error_dict")
 
     _SETTINGS = ("error_feedback", "block_size")
     _MEMORY = ("error_dict", "shard_error_dict")
@@ -99,6 +102,8 @@ class QuantizedState(ResumableHookState):
         # rank must use the same. Internal: for measuring, not an API.
         self._pattern = "two_shot"
         self._averagers: dict[tuple[str, str], QuantizedAverage] = {}
+        # CUDA + NCCL: each settled bucket's average as one CUDA graph (dcomm.ddp._captured_average).
+        self._graphs = CapturedAverages()
 
     def __repr__(self) -> str:
         return (
@@ -177,6 +182,23 @@ def _quantized_average(fmt: str, state: QuantizedState, bucket: dist.GradBucket)
         error = state._memory("error_dict", index, averager.padded_numel(numel, world), buffer.device)
         if averager.shard_numel(numel, world):
             shard_error = state._memory("shard_error_dict", index, averager.shard_numel(numel, world), buffer.device)
+    if in_order and reduced_by_nccl(resolve_group(group), buffer):
+        # The whole average as one CUDA graph (NCCL only: gloo runs it on its own threads).
+        def average() -> None:
+            captured = averager.begin(buffer, group, error=error, shard_error=shard_error, key=index)
+            captured.launch()
+            captured.result()
+
+        key = (fmt, index, numel, *(t.data_ptr() for t in (buffer, error, shard_error) if t is not None))
+        work = state._graphs.run(key, average, averager._side_stream(buffer.device))
+        if work is not None:
+            state.bytes_sent += quantized_average_bytes(numel, world, fmt, state.block_size, averager.pattern)
+            if _called_by_reducer(_caller_of_hook(depth=3)):
+                return defer_to_last_bucket(resolve_group(group), work, bucket, buffer)
+            work.wait()
+            return completed_future(buffer)
+    if bucket.is_last():  # buckets averaged by graphs before this one are waited for here
+        wait_deferred(resolve_group(group))
     # Encoding runs here, on the hook's stream; the rest on the averager's side stream.
     pending = averager.begin(buffer, group, error=error, shard_error=shard_error, key=index if in_order else None)
     state.bytes_sent += pending.bytes_sent

@@ -104,3 +104,37 @@ def test_public_functions_use_the_kernels_on_cuda() -> None:
     finally:
         kernels.quantize_rows_into, kernels.dequantize_rows_into = saved  # type: ignore[assignment]
     assert calls == ["quantize", "dequantize"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("numel", "block"), [(256 * 40 - 100, 256), (37, 16)])
+def test_quantize_with_error_is_the_three_steps_bit_for_bit(
+    fmt: str, dtype: torch.dtype, numel: int, block: int
+) -> None:
+    rows = -(-numel // block)
+    values = spread_rows(1, rows * block, block, seed=numel).view(-1)[:numel].to(dtype).clone()
+    values[5] = float("nan") if numel > 100 else values[5]  # a NaN block keeps NaN scale and error
+    error = spread_rows(1, rows * block, block, seed=numel + 1).view(-1).mul_(1e-3)
+    error[-3:] = -0.0  # the padded tail: never updated
+    payload = quantization.payload_bytes(block, fmt, block)
+    fused_error, fused_out = error.clone(), torch.zeros(rows, payload, dtype=torch.uint8, device="cuda")
+    assert quantization.fused_quantize_with_error(values, fused_error, fmt, block, fused_out)
+    steps_error, steps_out = error.clone(), torch.zeros_like(fused_out)
+    steps_error[:numel].add_(values)
+    quantization.quantize_rows(steps_error.view(rows, block), fmt, block, out=steps_out)
+    steps_error[:numel].sub_(quantization.dequantize_rows(steps_out, fmt, block, block).view(-1)[:numel])
+    assert torch.equal(fused_out, steps_out)
+    nan = steps_error.isnan()
+    assert torch.equal(fused_error.isnan(), nan)
+    assert torch.equal(fused_error[~nan].view(torch.int32), steps_error[~nan].view(torch.int32))  # -0.0 too
+
+
+def test_quantize_with_error_declines_what_it_cannot_fuse() -> None:
+    values, error = torch.ones(64, device="cuda"), torch.zeros(64, device="cuda")
+    out = torch.zeros(4, quantization.payload_bytes(16, "int8", 16), dtype=torch.uint8, device="cuda")
+    assert not quantization.fused_quantize_with_error(values.cpu(), error.cpu(), "int8", 16, out.cpu())
+    assert not quantization.fused_quantize_with_error(values, error[:60], "int8", 16, out)  # not padded
+    assert not quantization.fused_quantize_with_error(values, error.double(), "int8", 16, out)
+    assert not quantization.fused_quantize_with_error(values, error, "int4", 16, out)
+    assert torch.equal(error, torch.zeros_like(error))

@@ -274,12 +274,15 @@ def test_cuda_graphs_give_the_eager_averages_bit_for_bit_on_nccl() -> None:
     run_ranks(_graphs_match_eager, 2, backend="nccl", timeout=TIMEOUT)
 
 
+RESTORE_AT = 12
+
+
 def _graphs_match_eager(rank: int, world: int) -> None:
-    from dcomm.ddp._captured_average import CAPTURE_AFTER
+    from dcomm.ddp._captured_average import CAPTURE_AFTER, WATCHED_EVERY
     from dcomm_testing import DDPRun
 
     device = torch.device("cuda", rank)
-    batches = [seeded_normal(100 + 7 * step + rank, (16, 64), dtype=torch.float32).to(device) for step in range(12)]
+    batches = [seeded_normal(100 + 7 * step + rank, (16, 64), dtype=torch.float32).to(device) for step in range(16)]
     for fmt, hook in HOOKS.items():
         runs = {}
         for graphs in (True, False):
@@ -289,7 +292,9 @@ def _graphs_match_eager(rank: int, world: int) -> None:
             run = DDPRun(model, hook, state, batches.__getitem__, device_ids=[rank], bucket_cap_mb=0.1)
             runs[graphs] = (run, state)
         for step in range(len(batches)):
-            for run, _ in runs.values():
+            for run, state in runs.values():
+                if step == RESTORE_AT:  # restored memories are new tensors: graphs must follow
+                    state.load_state_dict(state.state_dict())
                 run.step(step)
             with_graphs, eager = (run.params() for run, _ in runs.values())
             for a, b in zip(with_graphs, eager, strict=True):
@@ -304,4 +309,5 @@ def _graphs_match_eager(rank: int, world: int) -> None:
             mine, theirs = getattr(state_with, key), getattr(state_eager, key)
             assert mine.keys() == theirs.keys()
             assert all(torch.equal(mine[k], theirs[k]) for k in mine)
-    assert len(batches) - 3 > CAPTURE_AFTER  # steps with graphs were compared
+    # Compared: graphs, the watched bucket's eager turn, the restore, graphs captured again.
+    assert CAPTURE_AFTER + WATCHED_EVERY < RESTORE_AT < len(batches) - CAPTURE_AFTER

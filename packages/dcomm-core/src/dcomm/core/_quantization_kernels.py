@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["dequantize_rows_into", "quantize_rows_into", "usable"]
+__all__ = ["dequantize_rows_into", "quantize_rows_into", "quantize_with_error_into", "usable"]
 
 _GROUP = 8  # blocks per program
 _FORMATS = ("int8", "fp8")
@@ -67,6 +67,38 @@ if triton is not None:
         tl.store(scales_ptr + row.to(tl.int64) * row_words + cols // 4 + block, scale, mask=valid)
 
     @triton.jit
+    def _quantize_with_error(  # type: ignore[no-untyped-def]
+        x_ptr, error_ptr, codes_ptr, scales_ptr, numel, n_blocks, row_bytes, row_words,
+        LIMIT: tl.constexpr, INV_LIMIT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+        FP8: tl.constexpr,
+    ):  # fmt: skip
+        # One block per row. source = error + x over the first numel values (the error alone
+        # past them); codes and scales of source; error = source - decoded codes there.
+        valid, row, block, column = _blocks_of_program(n_blocks, 1, BLOCK, GROUP)
+        flat = row[:, None].to(tl.int64) * BLOCK + column
+        error = tl.load(error_ptr + flat, mask=valid[:, None], other=0.0)
+        inside = valid[:, None] & (flat < numel)
+        x = tl.load(x_ptr + flat, mask=inside, other=0.0).to(tl.float32)
+        source = tl.where(inside, error + x, error)
+        scale = tl.max(tl.abs(source), axis=1) * INV_LIMIT
+        scale = scale + tl.sum(tl.where(source != source, source, tl.zeros_like(source)), axis=1)
+        safe = tl.where(scale > 0, scale, tl.full(scale.shape, 1.0, tl.float32))
+        y = tl.math.div_rn(source, safe[:, None])
+        if FP8:
+            y = tl.minimum(tl.maximum(y, -LIMIT), LIMIT)
+            small = y.to(tl.float8e4nv)
+            codes = small.to(tl.uint8, bitcast=True)
+            decoded = small.to(tl.float32)
+        else:
+            y = tl.minimum(tl.maximum(libdevice.rint(y), -LIMIT), LIMIT)
+            small = y.to(tl.int8)
+            codes = small.to(tl.uint8, bitcast=True)
+            decoded = small.to(tl.float32)
+        tl.store(codes_ptr + row[:, None].to(tl.int64) * row_bytes + column, codes, mask=valid[:, None])
+        tl.store(scales_ptr + row.to(tl.int64) * row_words + BLOCK // 4 + block, scale, mask=valid)
+        tl.store(error_ptr + flat, source - decoded * scale[:, None], mask=inside)
+
+    @triton.jit
     def _dequantize(  # type: ignore[no-untyped-def]
         codes_ptr, scales_ptr, out_ptr, n_blocks, blocks_per_row, cols, row_bytes, row_words,
         BLOCK: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
@@ -106,6 +138,25 @@ def quantize_rows_into(rows: torch.Tensor, fmt: str, block_size: int, out: torch
         LIMIT=limit, INV_LIMIT=1.0 / limit, BLOCK=block_size, GROUP=_GROUP, FP8=fmt == "fp8",
     )  # fmt: skip
     return out
+
+
+def quantize_with_error_into(
+    values: torch.Tensor, error: torch.Tensor, fmt: str, block_size: int, out: torch.Tensor, limit: float
+) -> None:
+    """Error feedback and quantization in one launch: the fused form of three steps.
+
+    ``error`` (float32, one row of ``block_size`` per row of ``out``) gets the flat ``values``
+    added over their length; that sum is quantized into ``out`` (``[rows, payload]`` uint8,
+    one block per row); then ``error`` keeps, over the same length, what the codes lost. The
+    same arithmetic, bit for bit, as ``error[:n].add_(values)``, :func:`quantize_rows_into`
+    and ``error[:n].sub_(decoded)``.
+    """
+    n_blocks = out.shape[0]
+    row_bytes = out.stride(0)
+    _quantize_with_error[_grid(n_blocks)](
+        values, error, out, out.view(torch.float32), values.numel(), n_blocks, row_bytes, row_bytes // 4,
+        LIMIT=limit, INV_LIMIT=1.0 / limit, BLOCK=block_size, GROUP=_GROUP, FP8=fmt == "fp8",
+    )  # fmt: skip
 
 
 def dequantize_rows_into(packed: torch.Tensor, fmt: str, cols: int, block_size: int, out: torch.Tensor) -> torch.Tensor:

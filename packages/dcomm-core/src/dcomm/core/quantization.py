@@ -31,6 +31,7 @@ __all__ = [
     "code_bytes",
     "dequantize",
     "dequantize_rows",
+    "fused_quantize_with_error",
     "max_code",
     "num_blocks",
     "payload_bytes",
@@ -279,6 +280,36 @@ def _fused_kernels(tensor: torch.Tensor, fmt: str, block_size: int) -> Any:
     from dcomm.core import _quantization_kernels
 
     return _quantization_kernels if _quantization_kernels.usable(tensor, fmt, block_size) else None
+
+
+def fused_quantize_with_error(
+    values: torch.Tensor, error: torch.Tensor, fmt: str, block_size: int, out: torch.Tensor
+) -> bool:
+    """Error feedback and quantization in one CUDA launch, where the fused kernels apply.
+
+    ``error[:n] += values``, ``out`` = :func:`quantize_rows` of ``error`` viewed as one block per
+    row, then ``error[:n] -=`` what the codes decode to (``n = values.numel()``): bit for bit the
+    three steps, one pass over the memory. Returns False (nothing done) where the kernels do not
+    apply: off CUDA, without Triton, or for other layouts.
+
+    Example::
+
+        >>> fused_quantize_with_error(grad, error, "int8", 256, packed)  # doctest: +SKIP
+        True
+    """
+    fused = _fused_kernels(values, fmt, block_size)
+    if (
+        fused is None
+        or not values.is_contiguous()
+        or error.dtype != torch.float32
+        or not error.is_contiguous()
+        or error.numel() != out.shape[0] * block_size
+        or out.shape[1] != payload_bytes(block_size, fmt, block_size)
+        or not _word_aligned_rows(out)
+    ):
+        return False
+    fused.quantize_with_error_into(values.view(-1), error, fmt, block_size, out, _MAX_CODE[fmt])
+    return True
 
 
 def _check_rows(cols: int, block_size: int) -> None:

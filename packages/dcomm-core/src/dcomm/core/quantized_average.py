@@ -41,7 +41,13 @@ import torch.distributed as dist
 
 from dcomm.core.collectives import _work_future, group_size, resolve_group, start_all_gather
 from dcomm.core.low_precision import keep_until_stream_done
-from dcomm.core.quantization import QUANTIZED_FORMATS, dequantize_rows, payload_bytes, quantize_rows
+from dcomm.core.quantization import (
+    QUANTIZED_FORMATS,
+    dequantize_rows,
+    fused_quantize_with_error,
+    payload_bytes,
+    quantize_rows,
+)
 from dcomm.core.validation import even_int, one_of
 
 __all__ = [
@@ -184,13 +190,13 @@ class QuantizedAverage:
         flat = tensor.view(-1)
         if flat.dtype.itemsize > 4:  # add in float32, as the wire does
             flat = flat.float()
-        source = flat
-        if error is not None:  # encode input plus carried error, in place in the memory
-            source = error
-            error[:numel].add_(flat)
         buffers = self._get_buffers(key, padded // block, world, tensor.device)
-        self._encode(source, numel, buffers.send)
-        if error is not None:
+        if error is None:
+            self._encode(flat, numel, buffers.send)
+        elif self.fmt == "bf16" or not fused_quantize_with_error(flat, error, self.fmt, block, buffers.send):
+            # Encode input plus carried error, in place in the memory; keep what encoding lost.
+            error[:numel].add_(flat)
+            self._encode(error, numel, buffers.send)
             error[:numel].sub_(self._decode(buffers.send).view(-1)[:numel])
         pending._buffers = buffers
         pending.bytes_sent = quantized_average_bytes(numel, world, self.fmt, block, self.pattern)

@@ -5,18 +5,26 @@ trips through Python on the autograd thread: over 1 ms of host time per bucket, 
 link costs more than the bytes it saves. Once DDP has settled its buckets, every step repeats
 the same work on the same tensors (the bucket, its error memories, its send and receive
 buffers), so :class:`CapturedAverages` records it once per bucket in a CUDA graph (NCCL
-collectives included) and replays it on the averager's side stream; the backward stream waits
-for it only at DDP's last bucket.
+collectives included) and replays it on a side stream; the backward stream waits for it only
+at DDP's last bucket.
 
-A graph is keyed by the addresses of every tensor it reads or writes, so a rebuilt bucket or a
-restored error memory gets a new one. The graphs share one memory pool (they replay one after
-the other, in the order they were captured). A capture that fails turns the graphs off for
-this state, with one warning; that bucket is then averaged as before.
+The process group's watchdog never sees a collective replayed in a graph, so a rank that died
+would leave the others waiting in NCCL for good. Every :data:`WATCHED_EVERY` replays, the first
+captured bucket is averaged eagerly instead (the same results), so the watchdog always has a
+recent collective to time out on.
+
+A graph is keyed by the bucket (its index, size and address); whoever replaces a tensor the
+graph reads or writes (a restored error memory) calls :meth:`CapturedAverages.clear`. The
+graphs share one memory pool (they replay one after the other, in the order they were
+captured). A capture that fails turns the graphs off for good, with one warning; that bucket
+is then averaged as before.
 
 Example::
 
     >>> graphs = CapturedAverages()  # doctest: +SKIP
-    >>> done = graphs.run(key, lambda: average(bucket), side_stream)  # doctest: +SKIP
+    >>> work = graphs.replay(key, stream)  # None until the key's graph is captured  # doctest: +SKIP
+    >>> if work is None and graphs.due(key):  # doctest: +SKIP
+    ...     work = graphs.capture(key, lambda: average(bucket), stream, sent_bytes)
 """
 
 from __future__ import annotations
@@ -28,62 +36,87 @@ import torch
 
 from dcomm.core import warn_once
 
-__all__ = ["CAPTURE_AFTER", "CapturedAverages", "StreamWork"]
+__all__ = ["CAPTURE_AFTER", "WATCHED_EVERY", "CapturedAverages", "StreamWork"]
 
 CAPTURE_AFTER = 2
 """Eager calls per key before its capture: buffers allocated, NCCL communicators created."""
 
+WATCHED_EVERY = 8
+"""The first captured key runs eagerly once in this many calls, where the watchdog sees it."""
+
 
 class StreamWork:
-    """A work handle whose ``wait()`` orders the current stream after an event."""
+    """A replayed average: ``wait()`` orders the current stream after it; ``bytes_sent`` it sent."""
 
-    __slots__ = ("event",)
+    __slots__ = ("bytes_sent", "done")
 
-    def __init__(self, event: Any) -> None:
-        self.event = event
+    def __init__(self, done: Any, bytes_sent: int) -> None:
+        self.done = done
+        self.bytes_sent = bytes_sent
 
     def wait(self) -> None:
-        torch.cuda.current_stream(self.event.device).wait_event(self.event)
+        torch.cuda.current_stream().wait_event(self.done)
+
+
+class _Captured:
+    __slots__ = ("graph", "work")
+
+    def __init__(self, graph: Any, work: StreamWork) -> None:
+        self.graph, self.work = graph, work
 
 
 class CapturedAverages:
     """Per key, a CUDA graph of one average, captured after :data:`CAPTURE_AFTER` eager calls."""
 
-    __slots__ = ("_eager_calls", "_graphs", "_pool", "enabled")
+    __slots__ = ("_captured", "_eager_calls", "_pool", "_ready", "_watched", "_watched_calls", "enabled")
 
     def __init__(self) -> None:
-        self._graphs: dict[Hashable, Any] = {}
+        self._captured: dict[Hashable, _Captured] = {}
         self._eager_calls: dict[Hashable, int] = {}
         self._pool: Any = None
+        self._ready: Any = None  # one event, re-recorded for every replay: the bucket is filled
+        self._watched: Hashable = None  # the first key captured
+        self._watched_calls = 0
         self.enabled = True
 
     def __len__(self) -> int:
-        return len(self._graphs)
+        return len(self._captured)
 
-    def run(self, key: Hashable, average: Callable[[], None], stream: Any) -> StreamWork | None:
-        """Replay ``key``'s graph of ``average`` on ``stream`` (capturing it first when due).
+    def clear(self) -> None:
+        """Forget every graph (a tensor they use was replaced); keys are captured again when due."""
+        self._captured.clear()
+        self._eager_calls.clear()
+        self._pool = None
+        self._watched = None
 
-        Returns the work to wait for, or None when the caller must run ``average`` eagerly
-        itself (too early for this key, or graphs turned off).
-        """
-        if not self.enabled:
+    def replay(self, key: Hashable, stream: Any) -> StreamWork | None:
+        """Replay ``key``'s graph on ``stream`` after the current stream's work; None if none yet."""
+        captured = self._captured.get(key)
+        if captured is None:
             return None
-        graph = self._graphs.get(key)
-        if graph is None:
-            calls = self._eager_calls.get(key, 0)
-            if calls < CAPTURE_AFTER:
-                self._eager_calls[key] = calls + 1
-                return None
-            graph = self._capture(key, average, stream)
-            if graph is None:
-                return None
-        current = torch.cuda.current_stream(stream.device)
-        stream.wait_stream(current)  # the bucket is filled on the current stream
+        if key == self._watched:
+            self._watched_calls += 1
+            if self._watched_calls % WATCHED_EVERY == 0:
+                return None  # eager this time: a collective the watchdog can time out on
+        ready = self._ready
+        ready.record(torch.cuda.current_stream(stream.device))  # the bucket is filled on it
+        stream.wait_event(ready)
         with torch.cuda.stream(stream):
-            graph.replay()
-        return StreamWork(stream.record_event())
+            captured.graph.replay()
+        work = captured.work
+        work.done.record(stream)  # waited for within this backward pass, before the next replay
+        return work
 
-    def _capture(self, key: Hashable, average: Callable[[], None], stream: Any) -> Any:
+    def due(self, key: Hashable) -> bool:
+        """Count an eager call of ``key``; whether its graph should be captured now."""
+        if not self.enabled or key in self._captured:
+            return False
+        calls = self._eager_calls.get(key, 0) + 1
+        self._eager_calls[key] = calls
+        return calls > CAPTURE_AFTER
+
+    def capture(self, key: Hashable, average: Callable[[], None], stream: Any, bytes_sent: int) -> StreamWork | None:
+        """Capture ``average`` for ``key`` and replay it; None if capturing failed (run it eagerly)."""
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: the process group's watchdog thread keeps querying its events.
@@ -91,7 +124,7 @@ class CapturedAverages:
                 average()
         except Exception as exc:  # a backend or build that cannot capture: stay eager
             self.enabled = False
-            self._graphs.clear()
+            self.clear()
             warn_once(
                 ("dcomm.ddp.quantized_hooks", "cuda graph"),
                 f"quantized hook: capturing a bucket's average in a CUDA graph failed ({type(exc).__name__}: "
@@ -99,5 +132,9 @@ class CapturedAverages:
             )
             return None
         self._pool = graph.pool()
-        self._graphs[key] = graph
-        return graph
+        if self._ready is None:
+            self._ready = torch.cuda.Event()
+        if self._watched is None:
+            self._watched, self._watched_calls = key, 0
+        self._captured[key] = _Captured(graph, StreamWork(torch.cuda.Event(), bytes_sent))
+        return self.replay(key, stream)

@@ -9,7 +9,10 @@ float32 scale per 256 values):
 3. an all-gather returns every rank's averaged chunk, dequantized into the bucket.
 
 Step 1 runs in the hook on the backward pass's stream; on GPUs steps 2 and 3 run on a side
-stream, so the backward pass never waits for the network (only DDP's final wait does).
+stream, so the backward pass never waits for the network (only DDP's final wait does). On NCCL,
+once DDP has settled its buckets, each bucket's three steps are one CUDA graph replayed on the
+side stream (:mod:`dcomm.ddp._captured_average`): a few dozen launches and their Python become
+one, and DDP's last bucket waits for them all.
 
 Each rank sends ``2 (world - 1)`` quantized chunks, about ``(1 + 4 / block_size) / 4`` of an
 fp32 ring allreduce, whatever the world size (torch's uint8 hooks all-gather whole buckets, so
@@ -41,7 +44,7 @@ import torch.distributed as dist
 from dcomm.core import QuantizedAverage, completed_future, quantized_average_bytes, reduced_by_nccl, resolve_group
 from dcomm.core.validation import boolean, even_int, non_negative_int
 from dcomm.ddp._backward_works import defer_to_last_bucket, wait_deferred
-from dcomm.ddp._captured_average import CapturedAverages
+from dcomm.ddp._captured_average import CapturedAverages, StreamWork
 from dcomm.ddp._hook_state import ResumableHookState
 from dcomm.ddp.default_hooks import _called_by_reducer, _caller_of_hook
 
@@ -119,6 +122,7 @@ class QuantizedState(ResumableHookState):
 
     def _restore(self, progress: dict[str, Any]) -> None:
         self.bytes_sent = progress["bytes_sent"]
+        self._graphs.clear()  # they write the memories just replaced
 
     def _averager(self, fmt: str) -> QuantizedAverage:
         """The collective for ``fmt``; it keeps each bucket's send and receive buffers between steps."""
@@ -177,32 +181,45 @@ def _quantized_average(fmt: str, state: QuantizedState, bucket: dist.GradBucket)
     # A bucket out of order (static_graph's first iteration) gets buffers of its own and no error
     # memory: the index no longer names one bucket.
     in_order = state._follows(bucket)
+    key = (fmt, index, numel, buffer.data_ptr())
+    if in_order and buffer.is_cuda:
+        work = state._graphs.replay(key, averager._side_stream(buffer.device))
+        if work is not None:
+            return _deferred(state, work, bucket, buffer)
     error = shard_error = None
     if state.error_feedback and in_order:
         error = state._memory("error_dict", index, averager.padded_numel(numel, world), buffer.device)
         if averager.shard_numel(numel, world):
             shard_error = state._memory("shard_error_dict", index, averager.shard_numel(numel, world), buffer.device)
-    if in_order and reduced_by_nccl(resolve_group(group), buffer):
-        # The whole average as one CUDA graph (NCCL only: gloo runs it on its own threads).
+    # NCCL only: gloo runs the later steps on its own threads, which a graph cannot hold.
+    if in_order and reduced_by_nccl(resolve_group(group), buffer) and state._graphs.due(key):
+
         def average() -> None:
             captured = averager.begin(buffer, group, error=error, shard_error=shard_error, key=index)
             captured.launch()
             captured.result()
 
-        key = (fmt, index, numel, *(t.data_ptr() for t in (buffer, error, shard_error) if t is not None))
-        work = state._graphs.run(key, average, averager._side_stream(buffer.device))
+        sent = quantized_average_bytes(numel, world, fmt, state.block_size, averager.pattern)
+        work = state._graphs.capture(key, average, averager._side_stream(buffer.device), sent)
         if work is not None:
-            state.bytes_sent += quantized_average_bytes(numel, world, fmt, state.block_size, averager.pattern)
-            if _called_by_reducer(_caller_of_hook(depth=3)):
-                return defer_to_last_bucket(resolve_group(group), work, bucket, buffer)
-            work.wait()
-            return completed_future(buffer)
+            return _deferred(state, work, bucket, buffer)
     if bucket.is_last():  # buckets averaged by graphs before this one are waited for here
         wait_deferred(resolve_group(group))
     # Encoding runs here, on the hook's stream; the rest on the averager's side stream.
     pending = averager.begin(buffer, group, error=error, shard_error=shard_error, key=index if in_order else None)
     state.bytes_sent += pending.bytes_sent
     return state._chain.run(pending.launch, lambda _: pending.result())
+
+
+def _deferred(
+    state: QuantizedState, work: StreamWork, bucket: dist.GradBucket, buffer: torch.Tensor
+) -> torch.futures.Future[torch.Tensor]:
+    """The future of a replayed average: waited for at DDP's last bucket, or now for a Python caller."""
+    state.bytes_sent += work.bytes_sent
+    if _called_by_reducer(_caller_of_hook(depth=4)):
+        return defer_to_last_bucket(resolve_group(state.process_group), work, bucket, buffer)
+    work.wait()
+    return completed_future(buffer)
 
 
 def int8_compress_hook(state: QuantizedState | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

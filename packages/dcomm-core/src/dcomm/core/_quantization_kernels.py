@@ -96,7 +96,9 @@ if triton is not None:
             decoded = small.to(tl.float32)
         tl.store(codes_ptr + row[:, None].to(tl.int64) * row_bytes + column, codes, mask=valid[:, None])
         tl.store(scales_ptr + row.to(tl.int64) * row_words + BLOCK // 4 + block, scale, mask=valid)
-        tl.store(error_ptr + flat, source - decoded * scale[:, None], mask=inside)
+        # mul_rn: the product rounds on its own, as the separate decoding does (no fused multiply-add).
+        product = libdevice.mul_rn(decoded, tl.broadcast_to(scale[:, None], decoded.shape))
+        tl.store(error_ptr + flat, source - product, mask=inside)
 
     @triton.jit
     def _dequantize(  # type: ignore[no-untyped-def]

@@ -3,7 +3,7 @@
 One figure per input file stacked vertically: the left panel shows dcomm over torch's
 counterpart, the right one dcomm over the case's reference (built-in allreduce, non-overlapped
 ZeRO, raw allreduce, FSDP's default). Each row is one case row on one workload (colour), one
-marker per precision; left of the dashed line at 1.0 dcomm is faster. Ratios beyond 0.5-2.0 are
+marker per precision; left of the dashed line at 1.0 dcomm is faster. Ratios beyond 0.25-2.0 are
 drawn at the edge. Needs matplotlib.
 
 Example::
@@ -28,7 +28,7 @@ WORKLOAD_COLORS = {"mlp-wide": "tab:blue", "mlp-deep": "tab:orange", "transforme
 Point = tuple[str, str, str, Ratio]
 """(row title, workload, precision, ratio)."""
 
-X_LIMITS = (0.5, 2.0)
+X_LIMITS = (0.25, 2.0)
 """Ratios outside are drawn at the edge (the interval is clipped)."""
 
 

@@ -51,8 +51,9 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 def setup_of(run: dict[str, Any]) -> str:
-    """``4x NVIDIA H100 80GB HBM3, fast link, torch 2.11.0, 2026-11-26``."""
-    return f"{run['world_size']}x {run['device']}, {run['link']} link, torch {run['torch']}, {run['date'][:10]}"
+    """``4x NVIDIA H100 80GB HBM3, fast link, torch 2.11.0, 2026-11-26 07:00 UTC``: runs of a day apart."""
+    when = run["date"][:16].replace("T", " ")
+    return f"{run['world_size']}x {run['device']}, {run['link']} link, torch {run['torch']}, {when} UTC"
 
 
 def _ratio(pair: dict[str, Any]) -> Ratio:

@@ -80,7 +80,12 @@ def _parity(rank: int, world: int) -> None:
         torch_state = torch_powersgd.PowerSGDState(None, start_powerSGD_iter=2, **config)
         ref = Run(torch_powersgd.powerSGD_hook, torch_state).train(STEPS)
         state = PowerSGDState(None, start_powerSGD_iter=2, **config)
-        ours = Run(powerSGD_hook, state).train(STEPS)
+        run = Run(powerSGD_hook, state)
+        run.train(STEPS - 1)
+        memories = {index: error.data_ptr() for index, error in state.error_dict.items()}
+        ours = run.train(1)
+        # Error feedback reuses each bucket's memory: no bucket-sized tensor per step.
+        assert memories == {index: error.data_ptr() for index, error in state.error_dict.items()}
         assert_close(ours, ref, 0.0, f"powerSGD_hook {config}")
         assert_same_on_ranks(ours, f"powerSGD_hook {config}")
         assert state.iter == torch_state.iter == STEPS

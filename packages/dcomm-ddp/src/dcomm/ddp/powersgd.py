@@ -248,15 +248,20 @@ class PowerSGDState(ResumableHookState):
         return tensor
 
     def _add_error(self, index: int, tensor: torch.Tensor) -> torch.Tensor | None:
-        """Add the bucket's saved error to ``tensor``; return a copy of the sum (None without feedback)."""
+        """Add the bucket's saved error to ``tensor``; return the error memory, now holding the sum.
+
+        The memory is reused rather than copied: :func:`_finish` subtracts the compressed result
+        from it in place, so no step allocates a bucket-sized tensor (None without feedback).
+        """
         if not self.use_error_feedback:
             return None
         error = self._memory("error_dict", index, tensor)
         if error is None:
-            self.error_dict[index] = torch.zeros_like(tensor)
+            error = self.error_dict[index] = tensor.detach().clone()
         else:
             tensor.add_(error)
-        return tensor.detach().clone()
+            error.copy_(tensor)
+        return error
 
     def _random_seed_generator(self) -> torch.Generator:
         return torch.Generator().manual_seed(self.rng.randint(1_000_000_000))
@@ -476,14 +481,14 @@ def _finish(
 ) -> None:
     """Keep the compression error (error feedback) and drop P/Q without warm start.
 
-    ``used`` (with ``before``) were made in the hook and used here, maybe on another stream: their
-    memory is kept from reuse until this stream is done with them.
+    ``before`` is the bucket's error memory from :meth:`PowerSGDState._add_error`; ``used`` were
+    made in the hook and used here, maybe on another stream: their memory is kept from reuse
+    until this stream is done with them.
     """
     for tensor in used:
         keep_until_stream_done(tensor)
-    if before is not None:
-        keep_until_stream_done(before)
-        state.error_dict[index] = before - result
+    if before is not None:  # the error memory, holding the input plus the carried error
+        state.error_dict[index] = before.sub_(result)
     if not state.warm_start:
         state.p_memory_dict.clear()
         state.q_memory_dict.clear()

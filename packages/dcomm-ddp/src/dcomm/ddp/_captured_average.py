@@ -36,13 +36,17 @@ import torch
 
 from dcomm.core import warn_once
 
-__all__ = ["CAPTURE_AFTER", "WATCHED_EVERY", "CapturedAverages", "StreamWork"]
+__all__ = ["CAPTURE_AFTER", "MAX_GRAPHS", "WATCHED_EVERY", "CapturedAverages", "StreamWork"]
 
 CAPTURE_AFTER = 2
 """Eager calls per key before its capture: buffers allocated, NCCL communicators created."""
 
 WATCHED_EVERY = 8
 """The first captured key runs eagerly once in this many calls, where the watchdog sees it."""
+
+MAX_GRAPHS = 512
+"""Keys captured at most: buckets handed over in fresh tensors every time (DDP's join shadows)
+never repeat, and must not grow the table or the graphs' memory without bound."""
 
 
 class StreamWork:
@@ -109,8 +113,10 @@ class CapturedAverages:
 
     def due(self, key: Hashable) -> bool:
         """Count an eager call of ``key``; whether its graph should be captured now."""
-        if not self.enabled or key in self._captured:
+        if not self.enabled or key in self._captured or len(self._captured) >= MAX_GRAPHS:
             return False
+        if len(self._eager_calls) >= 4 * MAX_GRAPHS:  # keys that never came back
+            self._eager_calls.clear()
         calls = self._eager_calls.get(key, 0) + 1
         self._eager_calls[key] = calls
         return calls > CAPTURE_AFTER

@@ -1,0 +1,38 @@
+"""When the quantized hooks capture a bucket's average in a CUDA graph (the bookkeeping; the
+graphs themselves run in the NCCL tests of test_ddp_quantized_hooks.py)."""
+
+from dcomm.ddp import _captured_average as captured
+from dcomm.ddp._captured_average import CAPTURE_AFTER, MAX_GRAPHS, CapturedAverages
+
+
+def test_a_key_is_due_after_its_eager_calls_and_never_again_once_captured() -> None:
+    graphs = CapturedAverages()
+    assert [graphs.due("bucket 0") for _ in range(CAPTURE_AFTER + 1)] == [False] * CAPTURE_AFTER + [True]
+    assert graphs.due("bucket 1") is False  # counted per key
+    graphs._captured["bucket 0"] = object()  # as capture() records it
+    assert graphs.due("bucket 0") is False
+    assert len(graphs) == 1
+    graphs.clear()  # a restore replaced the memories: captured again when due
+    assert len(graphs) == 0
+    assert [graphs.due("bucket 0") for _ in range(CAPTURE_AFTER + 1)][-1] is True
+
+
+def test_graphs_turned_off_are_never_due() -> None:
+    graphs = CapturedAverages()
+    graphs.enabled = False
+    assert not any(graphs.due("bucket") for _ in range(CAPTURE_AFTER + 3))
+
+
+def test_keys_that_never_repeat_stay_bounded() -> None:
+    graphs = CapturedAverages()
+    for call in range(5 * MAX_GRAPHS):  # a fresh tensor address every call (DDP's join shadows)
+        assert graphs.due(("int8", 0, 1024, call)) is False
+    assert len(graphs._eager_calls) <= 4 * MAX_GRAPHS
+    for key in range(MAX_GRAPHS):
+        graphs._captured[key] = object()
+    assert [graphs.due("new") for _ in range(CAPTURE_AFTER + 1)] == [False] * (CAPTURE_AFTER + 1)
+
+
+def test_replay_without_a_graph_asks_for_the_eager_path() -> None:
+    assert CapturedAverages().replay("bucket", stream=None) is None
+    assert captured.WATCHED_EVERY > CAPTURE_AFTER

@@ -230,6 +230,11 @@ def test_state_arguments_and_bad_state_dict() -> None:
         QuantizedState(None, block_size=4.0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="process_group: expected a ProcessGroup or None, got int; pass None"):
         QuantizedState(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="cuda_graphs: expected True or False, got 'no'; pass False to run"):
+        QuantizedState(None, cuda_graphs="no")  # type: ignore[arg-type]
+    assert QuantizedState(None).cuda_graphs
+    assert not QuantizedState(None, cuda_graphs=False).cuda_graphs
+    assert "cuda_graphs=False" in repr(QuantizedState(None, cuda_graphs=False))
     state = QuantizedState(None, block_size=BLOCK)
     state.bytes_sent = 5
     with pytest.raises(TypeError, match=r"state_dict: expected the mapping QuantizedState.state_dict\(\) returns"):
@@ -286,8 +291,7 @@ def _graphs_match_eager(rank: int, world: int) -> None:
     for fmt, hook in HOOKS.items():
         runs = {}
         for graphs in (True, False):
-            state = QuantizedState(None, error_feedback=True, block_size=BLOCK)
-            state._graphs.enabled = graphs
+            state = QuantizedState(None, error_feedback=True, block_size=BLOCK, cuda_graphs=graphs)
             model = seeded_mlp(64, 256, 256, 256, 8, device=device)
             run = DDPRun(model, hook, state, batches.__getitem__, device_ids=[rank], bucket_cap_mb=0.1)
             runs[graphs] = (run, state)

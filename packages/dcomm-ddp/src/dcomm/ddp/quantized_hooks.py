@@ -75,6 +75,9 @@ class QuantizedState(ResumableHookState):
         process_group: the group gradients are averaged over (WORLD when None).
         error_feedback: keep what quantization rounded off and add it back at the next step.
         block_size: values per quantization block, each with its own float32 scale (even).
+        cuda_graphs: on NCCL, replay each settled bucket's average as one CUDA graph (keyword-only;
+            the results are the same bit for bit). Pass False to profile or debug the kernels
+            one by one, or where another tool captures the backward pass itself.
 
     ``bytes_sent`` counts the bytes this rank has sent (host-side arithmetic, no sync).
     ``state_dict()`` / ``load_state_dict()`` save and restore the error memory and the counter, so
@@ -92,11 +95,17 @@ class QuantizedState(ResumableHookState):
     _MEMORY = ("error_dict", "shard_error_dict")
 
     def __init__(
-        self, process_group: dist.ProcessGroup | None = None, error_feedback: bool = True, block_size: int = 256
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        error_feedback: bool = True,
+        block_size: int = 256,
+        *,
+        cuda_graphs: bool = True,
     ) -> None:
         super().__init__(process_group)
         self.error_feedback = boolean("error_feedback", error_feedback, "pass False to drop the rounding errors")
         self.block_size = even_int("block_size", block_size, 2, "the default is 256")
+        graphs = boolean("cuda_graphs", cuda_graphs, "pass False to run each bucket's kernels one by one")
         self.bytes_sent = 0
         # Per bucket index: the local rounding error (the padded bucket, in error_dict) and the
         # owner's error of its re-quantized average chunk.
@@ -107,11 +116,17 @@ class QuantizedState(ResumableHookState):
         self._averagers: dict[tuple[str, str], QuantizedAverage] = {}
         # CUDA + NCCL: each settled bucket's average as one CUDA graph (dcomm.ddp._captured_average).
         self._graphs = CapturedAverages()
+        self._graphs.enabled = graphs
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether settled buckets are averaged by CUDA graph replays on NCCL (False after a failed capture)."""
+        return self._graphs.enabled
 
     def __repr__(self) -> str:
         return (
             f"QuantizedState(error_feedback={self.error_feedback}, block_size={self.block_size}, "
-            f"bytes_sent={self.bytes_sent})"
+            f"cuda_graphs={self.cuda_graphs}, bytes_sent={self.bytes_sent})"
         )
 
     def _progress(self) -> dict[str, Any]:

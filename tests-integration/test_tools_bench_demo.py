@@ -22,6 +22,7 @@ EXPECTED_ROWS = {
         "compression/fp8",
         "compression/int8 vs bf16",
         "compression/fp8 vs bf16",
+        "compression/int8 graphs",
         "compression/powersgd",
     },
     "post-local-sgd": {"post-local-sgd/periodic", "post-local-sgd/hierarchical"},

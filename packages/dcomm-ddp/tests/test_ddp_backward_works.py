@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dcomm.ddp._backward_works import defer_to_last_bucket
+from dcomm.ddp._backward_works import defer_to_last_bucket, wait_deferred
 from dcomm_testing import BucketStub
 
 
@@ -84,3 +84,25 @@ def test_a_deleted_group_takes_its_entry_with_it() -> None:
     del group
     gc.collect()
     assert len(_IN_FLIGHT) == before - 1
+
+
+def test_a_last_bucket_handled_otherwise_waits_for_the_deferred_works() -> None:
+    # The quantized hooks defer buckets replayed as CUDA graphs and average others eagerly; an
+    # eager last bucket calls wait_deferred, after which the next backward pass defers again.
+    waited: list[str] = []
+    group, other = FakeGroup(), FakeGroup()
+    defer_to_last_bucket(group, FakeWork(waited, "g0"), BucketStub(False, 0), torch.zeros(1))
+    defer_to_last_bucket(other, FakeWork(waited, "o0"), BucketStub(False, 0), torch.zeros(1))
+    defer_to_last_bucket(group, FakeWork(waited, "g1"), BucketStub(False, 1), torch.zeros(1))
+    wait_deferred(group)  # bucket 2, the last, was averaged eagerly
+    assert waited == ["g0", "g1"]
+    wait_deferred(group)
+    wait_deferred(FakeGroup())  # nothing deferred there: nothing to do
+    assert waited == ["g0", "g1"]
+    # The next backward pass starts at bucket 0 again: it follows, so it is deferred.
+    defer_to_last_bucket(group, FakeWork(waited, "h0"), BucketStub(False, 0), torch.zeros(1))
+    assert waited == ["g0", "g1"]
+    defer_to_last_bucket(group, FakeWork(waited, "h1"), BucketStub(True, 1), torch.zeros(1))
+    assert waited == ["g0", "g1", "h0", "h1"]
+    defer_to_last_bucket(other, FakeWork(waited, "o1"), BucketStub(True, 1), torch.zeros(1))
+    assert waited[-2:] == ["o0", "o1"]

@@ -63,7 +63,7 @@ class Config:
 # fmt: off
 _SIZES = {
     #        world layers width heads ctx batch steps eval val  lr    corpus      sgd period diloco start psgd timeout
-    "small": (4,   2,     64,   4,    64,  8,    40,   8,   64,  3e-3, 4_000_000,  10, 4,     10,    0,    10,  900.0),
+    "small": (4,   2,     64,   4,    64,  8,    40,   8,   64,  3e-3, 4_000_000,  10, 4,     10,    10,   10,  900.0),
     "large": (4,   6,     384,  6,    256, 32,   600,  50,  256, 1e-3, 64_000_000, 100, 8,    50,    150,  100, 3600.0),
     "tiny":  (2,   1,     32,   2,    32,  4,    12,   4,   16,  3e-3, 500_000,    4,  2,     4,     0,    4,   600.0),
 }
@@ -71,7 +71,8 @@ _SIZES = {
 CONFIGS = {name: Config(name, *row) for name, row in _SIZES.items()}
 # DiLoCo's quality goal at H = 50: the small model, the baseline and the DiLoCo runs only, long
 # enough for 15 syncs after a quarter of the run as DDP (the DiLoCo paper starts from a model
-# trained synchronously for 24k of its 88k steps; large does the same: 150 of 600 steps).
+# trained synchronously for 24k of its 88k steps; large does the same with 150 of 600 steps, small
+# with 10 of 40).
 CONFIGS["diloco"] = dataclasses.replace(
     CONFIGS["small"],
     name="diloco",

@@ -35,4 +35,12 @@ def test_keys_that_never_repeat_stay_bounded() -> None:
 
 def test_replay_without_a_graph_asks_for_the_eager_path() -> None:
     assert CapturedAverages().replay("bucket", stream=None) is None
-    assert captured.WATCHED_EVERY > CAPTURE_AFTER
+    assert CapturedAverages().replay("bucket", stream=None, watched=True) is None
+
+
+def test_the_watched_bucket_runs_eagerly_every_so_often_for_the_watchdog() -> None:
+    graphs = CapturedAverages()
+    every = captured.WATCHED_EVERY
+    assert every > CAPTURE_AFTER
+    assert [graphs.eager_turn(watched=True) for _ in range(2 * every)] == ([False] * (every - 1) + [True]) * 2
+    assert not any(graphs.eager_turn(watched=False) for _ in range(3 * every))

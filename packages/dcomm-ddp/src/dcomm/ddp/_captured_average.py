@@ -9,9 +9,10 @@ collectives included) and replays it on a side stream; the backward stream waits
 at DDP's last bucket.
 
 The process group's watchdog never sees a collective replayed in a graph, so a rank that died
-would leave the others waiting in NCCL for good. Every :data:`WATCHED_EVERY` replays, the first
-captured bucket is averaged eagerly instead (the same results), so the watchdog always has a
-recent collective to time out on.
+would leave the others waiting in NCCL for good. The caller marks one bucket of each backward
+pass as watched (DDP's bucket 0, the first it hands over); every :data:`WATCHED_EVERY`-th time,
+that bucket is averaged eagerly instead (the same results), so the watchdog always has a recent
+collective to time out on, whatever bucket holds index 0 after a rebuild.
 
 A graph is keyed by the bucket (its index, size and address); whoever replaces a tensor the
 graph reads or writes (a restored error memory) calls :meth:`CapturedAverages.clear`. The
@@ -42,7 +43,7 @@ CAPTURE_AFTER = 2
 """Eager calls per key before its capture: buffers allocated, NCCL communicators created."""
 
 WATCHED_EVERY = 8
-"""The first captured key runs eagerly once in this many calls, where the watchdog sees it."""
+"""The watched bucket runs eagerly once in this many calls, where the watchdog sees it."""
 
 MAX_GRAPHS = 512
 """Keys captured at most: buckets handed over in fresh tensors every time (DDP's join shadows)
@@ -72,14 +73,13 @@ class _Captured:
 class CapturedAverages:
     """Per key, a CUDA graph of one average, captured after :data:`CAPTURE_AFTER` eager calls."""
 
-    __slots__ = ("_captured", "_eager_calls", "_pool", "_ready", "_watched", "_watched_calls", "enabled")
+    __slots__ = ("_captured", "_eager_calls", "_pool", "_ready", "_watched_calls", "enabled")
 
     def __init__(self) -> None:
         self._captured: dict[Hashable, _Captured] = {}
         self._eager_calls: dict[Hashable, int] = {}
         self._pool: Any = None
         self._ready: Any = None  # one event, re-recorded for every replay: the bucket is filled
-        self._watched: Hashable = None  # the first key captured
         self._watched_calls = 0
         self.enabled = True
 
@@ -91,17 +91,18 @@ class CapturedAverages:
         self._captured.clear()
         self._eager_calls.clear()
         self._pool = None
-        self._watched = None
 
-    def replay(self, key: Hashable, stream: Any) -> StreamWork | None:
-        """Replay ``key``'s graph on ``stream`` after the current stream's work; None if none yet."""
+    def replay(self, key: Hashable, stream: Any, watched: bool = False) -> StreamWork | None:
+        """Replay ``key``'s graph on ``stream`` after the current stream's work; None if none yet.
+
+        ``watched``: this is the bucket the watchdog must see now and then (None every
+        :data:`WATCHED_EVERY`-th time: average it eagerly).
+        """
         captured = self._captured.get(key)
         if captured is None:
             return None
-        if key == self._watched:
-            self._watched_calls += 1
-            if self._watched_calls % WATCHED_EVERY == 0:
-                return None  # eager this time: a collective the watchdog can time out on
+        if self.eager_turn(watched):
+            return None  # eager this time: a collective the watchdog can time out on
         ready = self._ready
         ready.record(torch.cuda.current_stream(stream.device))  # the bucket is filled on it
         stream.wait_event(ready)
@@ -110,6 +111,13 @@ class CapturedAverages:
         work = captured.work
         work.done.record(stream)  # waited for within this backward pass, before the next replay
         return work
+
+    def eager_turn(self, watched: bool) -> bool:
+        """Count a call of the watched bucket; whether it is averaged eagerly this time."""
+        if not watched:
+            return False
+        self._watched_calls += 1
+        return self._watched_calls % WATCHED_EVERY == 0
 
     def due(self, key: Hashable) -> bool:
         """Count an eager call of ``key``; whether its graph should be captured now."""
@@ -140,7 +148,5 @@ class CapturedAverages:
         self._pool = graph.pool()
         if self._ready is None:
             self._ready = torch.cuda.Event()
-        if self._watched is None:
-            self._watched, self._watched_calls = key, 0
         self._captured[key] = _Captured(graph, StreamWork(torch.cuda.Event(), bytes_sent))
         return self.replay(key, stream)

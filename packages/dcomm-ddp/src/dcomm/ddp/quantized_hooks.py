@@ -198,7 +198,8 @@ def _quantized_average(fmt: str, state: QuantizedState, bucket: dist.GradBucket)
     in_order = state._follows(bucket)
     key = (fmt, index, numel, buffer.data_ptr())
     if in_order and buffer.is_cuda:
-        work = state._graphs.replay(key, averager._side_stream(buffer.device))
+        # Bucket 0, the first of every backward pass, is the one the NCCL watchdog sees now and then.
+        work = state._graphs.replay(key, averager._side_stream(buffer.device), watched=index == 0)
         if work is not None:
             return _deferred(state, work, bucket, buffer)
     error = shard_error = None

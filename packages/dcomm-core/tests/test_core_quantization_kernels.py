@@ -137,4 +137,5 @@ def test_quantize_with_error_declines_what_it_cannot_fuse() -> None:
     assert not quantization.fused_quantize_with_error(values, error[:60], "int8", 16, out)  # not padded
     assert not quantization.fused_quantize_with_error(values, error.double(), "int8", 16, out)
     assert not quantization.fused_quantize_with_error(values, error, "int4", 16, out)
+    assert not quantization.fused_quantize_with_error(values, error, "bf16", 16, out)  # QuantizedAverage's bf16
     assert torch.equal(error, torch.zeros_like(error))

@@ -290,7 +290,7 @@ def fused_quantize_with_error(
     ``error[:n] += values``, ``out`` = :func:`quantize_rows` of ``error`` viewed as one block per
     row, then ``error[:n] -=`` what the codes decode to (``n = values.numel()``): bit for bit the
     three steps, one pass over the memory. Returns False (nothing done) where the kernels do not
-    apply: off CUDA, without Triton, or for other layouts.
+    apply: off CUDA, without Triton, for formats other than int8 and fp8, or for other layouts.
 
     Example::
 

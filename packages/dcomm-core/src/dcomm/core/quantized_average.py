@@ -193,7 +193,7 @@ class QuantizedAverage:
         buffers = self._get_buffers(key, padded // block, world, tensor.device)
         if error is None:
             self._encode(flat, numel, buffers.send)
-        elif self.fmt == "bf16" or not fused_quantize_with_error(flat, error, self.fmt, block, buffers.send):
+        elif not fused_quantize_with_error(flat, error, self.fmt, block, buffers.send):
             # Encode input plus carried error, in place in the memory; keep what encoding lost.
             error[:numel].add_(flat)
             self._encode(error, numel, buffers.send)

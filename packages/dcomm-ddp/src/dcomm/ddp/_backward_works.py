@@ -65,9 +65,7 @@ def defer_to_last_bucket(
     state.works.append(work)
     last = bucket.is_last()
     if last or state.wait_at_once:
-        works, state.works = state.works, []
-        for pending in works:
-            pending.wait()  # a stream wait on CUDA; re-raises a failed collective's error
+        _wait_all(state)
     if last:
         state.wait_at_once = False
     return completed_future(result)
@@ -82,8 +80,13 @@ def wait_deferred(group: dist.ProcessGroup) -> None:
     state = _IN_FLIGHT.get(group)
     if state is None:
         return
-    works, state.works = state.works, []
-    for pending in works:
-        pending.wait()
+    _wait_all(state)
     state.wait_at_once = False
     state.order = BucketOrder()
+
+
+def _wait_all(state: _InFlight) -> None:
+    """Wait for the group's works launched since its last wait, in launch order."""
+    works, state.works = state.works, []
+    for pending in works:
+        pending.wait()  # a stream wait on CUDA; re-raises a failed collective's error

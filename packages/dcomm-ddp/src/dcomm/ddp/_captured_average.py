@@ -25,7 +25,7 @@ Example::
     >>> graphs = CapturedAverages()  # doctest: +SKIP
     >>> work = graphs.replay(key, stream)  # None until the key's graph is captured  # doctest: +SKIP
     >>> if work is None and graphs.due(key):  # doctest: +SKIP
-    ...     work = graphs.capture(key, lambda: average(bucket), stream, sent_bytes)
+    ...     work = graphs.capture(key, lambda: average(bucket), stream)  # average returns its bytes
 """
 
 from __future__ import annotations
@@ -129,13 +129,16 @@ class CapturedAverages:
         self._eager_calls[key] = calls
         return calls > CAPTURE_AFTER
 
-    def capture(self, key: Hashable, average: Callable[[], None], stream: Any, bytes_sent: int) -> StreamWork | None:
-        """Capture ``average`` for ``key`` and replay it; None if capturing failed (run it eagerly)."""
+    def capture(self, key: Hashable, average: Callable[[], int], stream: Any) -> StreamWork | None:
+        """Capture ``average`` (which returns the bytes it sends) for ``key`` and replay it.
+
+        None if capturing failed: run the average eagerly.
+        """
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: the process group's watchdog thread keeps querying its events.
             with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-                average()
+                bytes_sent = average()
         except Exception as exc:  # a backend or build that cannot capture: stay eager
             self.enabled = False
             self.clear()

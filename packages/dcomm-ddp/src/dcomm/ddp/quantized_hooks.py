@@ -187,7 +187,8 @@ def _resolve_state(state: object, hook: str) -> QuantizedState:
 def _quantized_average(fmt: str, state: QuantizedState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     # Callbacks name the group through the state, never hold it (see powersgd._compress_matrices).
     group = state.process_group
-    world = resolve_group(group).size()
+    resolved = resolve_group(group)  # for this call only: nothing here keeps it
+    world = resolved.size()
     buffer = bucket.buffer()
     if world == 1:
         return completed_future(buffer)
@@ -201,26 +202,26 @@ def _quantized_average(fmt: str, state: QuantizedState, bucket: dist.GradBucket)
         # Bucket 0, the first of every backward pass, is the one the NCCL watchdog sees now and then.
         work = state._graphs.replay(key, averager._side_stream(buffer.device), watched=index == 0)
         if work is not None:
-            return _deferred(state, work, bucket, buffer)
+            return _deferred(state, resolved, work, bucket, buffer)
     error = shard_error = None
     if state.error_feedback and in_order:
         error = state._memory("error_dict", index, averager.padded_numel(numel, world), buffer.device)
         if averager.shard_numel(numel, world):
             shard_error = state._memory("shard_error_dict", index, averager.shard_numel(numel, world), buffer.device)
     # NCCL only: gloo runs the later steps on its own threads, which a graph cannot hold.
-    if in_order and reduced_by_nccl(resolve_group(group), buffer) and state._graphs.due(key):
+    if in_order and reduced_by_nccl(resolved, buffer) and state._graphs.due(key):
 
-        def average() -> None:
+        def average() -> int:
             captured = averager.begin(buffer, group, error=error, shard_error=shard_error, key=index)
             captured.launch()
             captured.result()
+            return captured.bytes_sent
 
-        sent = quantized_average_bytes(numel, world, fmt, state.block_size, averager.pattern)
-        work = state._graphs.capture(key, average, averager._side_stream(buffer.device), sent)
+        work = state._graphs.capture(key, average, averager._side_stream(buffer.device))
         if work is not None:
-            return _deferred(state, work, bucket, buffer)
+            return _deferred(state, resolved, work, bucket, buffer)
     if bucket.is_last():  # buckets averaged by graphs before this one are waited for here
-        wait_deferred(resolve_group(group))
+        wait_deferred(resolved)
     # Encoding runs here, on the hook's stream; the rest on the averager's side stream.
     pending = averager.begin(buffer, group, error=error, shard_error=shard_error, key=index if in_order else None)
     state.bytes_sent += pending.bytes_sent
@@ -228,12 +229,16 @@ def _quantized_average(fmt: str, state: QuantizedState, bucket: dist.GradBucket)
 
 
 def _deferred(
-    state: QuantizedState, work: StreamWork, bucket: dist.GradBucket, buffer: torch.Tensor
+    state: QuantizedState,
+    group: dist.ProcessGroup,
+    work: StreamWork,
+    bucket: dist.GradBucket,
+    buffer: torch.Tensor,
 ) -> torch.futures.Future[torch.Tensor]:
     """The future of a replayed average: waited for at DDP's last bucket, or now for a Python caller."""
     state.bytes_sent += work.bytes_sent
     if _called_by_reducer(_caller_of_hook(depth=4)):
-        return defer_to_last_bucket(resolve_group(state.process_group), work, bucket, buffer)
+        return defer_to_last_bucket(group, work, bucket, buffer)
     work.wait()
     return completed_future(buffer)
 

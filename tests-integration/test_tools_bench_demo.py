@@ -83,9 +83,9 @@ def _bench(tmp_path: pathlib.Path, *flags: str) -> dict[str, object]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_bench_runs_every_case_on_both_kinds_of_small_workload(tmp_path: pathlib.Path) -> None:
-    # mlp-wide is mlp-deep's model class at other sizes; CI time goes to the two model classes.
-    workloads = ("mlp-deep", "transformer")
+def test_bench_runs_every_case_on_each_kind_of_small_workload(tmp_path: pathlib.Path) -> None:
+    # mlp-wide is mlp-deep's model class at other sizes; CI time goes to the three model classes.
+    workloads = ("mlp-deep", "transformer", "cnn")
     flags = ["--workload", *workloads, "--precision", "fp32", "--min-rounds", "2", "--max-rounds", "2"]
     result = _bench(tmp_path, *flags)
     assert result["backend"] == "gloo"

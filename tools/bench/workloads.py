@@ -3,7 +3,9 @@
 - ``mlp-wide``: a few very wide Linear layers (each weight its own DDP bucket);
 - ``mlp-deep``: 16 Linear layers with biases (32 tensors of two sizes);
 - ``transformer``: GPT-shaped (token and position embeddings, pre-LN blocks with attention and
-  an MLP, biases, a final LayerNorm and an LM head; 149 tensors at 12 layers).
+  an MLP, biases, a final LayerNorm and an LM head; 149 tensors at 12 layers);
+- ``cnn``: ResNet-34-shaped (3x3 convolutions without biases, a BatchNorm after each, residual
+  blocks, a linear classifier; 110 tensors, most of them BatchNorm's small weights and biases).
 
 Each comes in a ``large`` size (GPUs, fast link), a ``large-slow`` size (GPUs on the emulated
 slow link, ~1 GB/s) and a ``small`` size (gloo on CPU, seconds per case). Precisions: ``fp32``
@@ -29,7 +31,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PRECISIONS", "SIZE_TIERS", "WORKLOADS", "MLPWorkload", "TransformerWorkload", "Workload", "precision_scope"]
+__all__ = [
+    "PRECISIONS",
+    "SIZE_TIERS",
+    "WORKLOADS",
+    "CNNWorkload",
+    "MLPWorkload",
+    "TransformerWorkload",
+    "Workload",
+    "precision_scope",
+]
 
 PRECISIONS = ("fp32", "tf32", "bf16-autocast")
 SIZE_TIERS = ("large", "large-slow", "small")
@@ -171,7 +182,74 @@ class TransformerWorkload:
         return F.cross_entropy(logits.float().flatten(0, 1), batch[1].flatten())
 
 
-Workload = MLPWorkload | TransformerWorkload
+class ResidualBlock(nn.Module):
+    """Two 3x3 convolutions, each followed by BatchNorm, with a (strided, projected) shortcut."""
+
+    def __init__(self, channels_in: int, channels: int, stride: int, device: torch.device) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels_in, channels, 3, stride, 1, bias=False, device=device)
+        self.bn1 = nn.BatchNorm2d(channels, device=device)
+        self.conv2 = nn.Conv2d(channels, channels, 3, 1, 1, bias=False, device=device)
+        self.bn2 = nn.BatchNorm2d(channels, device=device)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or channels_in != channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(channels_in, channels, 1, stride, bias=False, device=device),
+                nn.BatchNorm2d(channels, device=device),
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+@dataclass(frozen=True)
+class CNNWorkload:
+    """A ResNet-shaped image classifier (strided stem, four stages) on random images and labels."""
+
+    name: str
+    widths: tuple[int, ...]
+    blocks: tuple[int, ...]
+    image: int
+    classes: int
+    batch: int
+
+    @property
+    def unit_types(self) -> tuple[type[nn.Module], ...]:
+        return (ResidualBlock,)
+
+    @property
+    def parameters(self) -> int:
+        with torch.random.fork_rng(devices=[]):  # build() seeds the global generator
+            return sum(p.numel() for p in self.build(torch.device("meta")).parameters())
+
+    def build(self, device: torch.device) -> nn.Module:
+        torch.manual_seed(0)
+        layers: list[nn.Module] = [
+            nn.Conv2d(3, self.widths[0], 3, 2, 1, bias=False, device=device),
+            nn.BatchNorm2d(self.widths[0], device=device),
+            nn.ReLU(),
+        ]
+        channels = self.widths[0]
+        for stage, (width, count) in enumerate(zip(self.widths, self.blocks, strict=True)):
+            for index in range(count):
+                stride = 2 if stage > 0 and index == 0 else 1
+                layers.append(ResidualBlock(channels, width, stride, device))
+                channels = width
+        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, self.classes, device=device)]
+        return nn.Sequential(*layers)
+
+    def make_batch(self, device: torch.device) -> Batch:
+        generator = torch.Generator().manual_seed(1000 + _rank())
+        images = torch.randn(self.batch, 3, self.image, self.image, generator=generator).to(device)
+        labels = torch.randint(self.classes, (self.batch,), generator=generator).to(device)
+        return images, labels
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return F.cross_entropy(model(batch[0]).float(), batch[1])
+
+
+Workload = MLPWorkload | TransformerWorkload | CNNWorkload
 
 WORKLOADS: dict[str, dict[str, Workload]] = {
     "mlp-wide": {
@@ -193,6 +271,14 @@ WORKLOADS: dict[str, dict[str, Workload]] = {
             "transformer", vocab=8192, tokens=512, width=512, layers=12, heads=8, batch=8
         ),
         "small": TransformerWorkload("transformer", vocab=256, tokens=32, width=64, layers=2, heads=4, batch=4),
+    },
+    "cnn": {
+        # ResNet-34's stages (3, 4, 6, 3 blocks): 21M parameters in 110 tensors, 64 images of 64 px.
+        "large": CNNWorkload("cnn", widths=(64, 128, 256, 512), blocks=(3, 4, 6, 3), image=64, classes=100, batch=64),
+        "large-slow": CNNWorkload(
+            "cnn", widths=(32, 64, 128, 256), blocks=(3, 4, 6, 3), image=32, classes=100, batch=64
+        ),
+        "small": CNNWorkload("cnn", widths=(8, 16, 16, 32), blocks=(1, 2, 2, 1), image=16, classes=10, batch=4),
     },
 }
 

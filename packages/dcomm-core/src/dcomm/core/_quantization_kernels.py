@@ -44,6 +44,20 @@ if triton is not None:
         return blocks < n_blocks, blocks // blocks_per_row, block, block[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
 
     @triton.jit
+    def _encode(source, LIMIT: tl.constexpr, INV_LIMIT: tl.constexpr, FP8: tl.constexpr):  # type: ignore[no-untyped-def]
+        """Each row's scale (NaN if the row holds one) and its codes, as int8 or fp8 values."""
+        scale = tl.max(tl.abs(source), axis=1) * INV_LIMIT  # torch's CUDA division by a scalar
+        # A NaN anywhere in the block gives a NaN scale, as torch's amax does (+0.0 otherwise).
+        scale = scale + tl.sum(tl.where(source != source, source, tl.zeros_like(source)), axis=1)
+        safe = tl.where(scale > 0, scale, tl.full(scale.shape, 1.0, tl.float32))
+        y = tl.math.div_rn(source, safe[:, None])
+        if FP8:
+            small = tl.minimum(tl.maximum(y, -LIMIT), LIMIT).to(tl.float8e4nv)
+        else:
+            small = tl.minimum(tl.maximum(libdevice.rint(y), -LIMIT), LIMIT).to(tl.int8)
+        return scale, small
+
+    @triton.jit
     def _quantize(  # type: ignore[no-untyped-def]
         x_ptr, codes_ptr, scales_ptr, n_blocks, blocks_per_row, cols, row_bytes, row_words,
         LIMIT: tl.constexpr, INV_LIMIT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
@@ -51,18 +65,8 @@ if triton is not None:
     ):  # fmt: skip
         valid, row, block, column = _blocks_of_program(n_blocks, blocks_per_row, BLOCK, GROUP)
         x = tl.load(x_ptr + row[:, None].to(tl.int64) * cols + column, mask=valid[:, None], other=0.0)
-        x = x.to(tl.float32)
-        scale = tl.max(tl.abs(x), axis=1) * INV_LIMIT  # torch's CUDA division by a scalar
-        # A NaN anywhere in the block gives a NaN scale, as torch's amax does (+0.0 otherwise).
-        scale = scale + tl.sum(tl.where(x != x, x, tl.zeros_like(x)), axis=1)
-        safe = tl.where(scale > 0, scale, tl.full(scale.shape, 1.0, tl.float32))
-        y = tl.math.div_rn(x, safe[:, None])
-        if FP8:
-            y = tl.minimum(tl.maximum(y, -LIMIT), LIMIT)
-            codes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        else:
-            y = tl.minimum(tl.maximum(libdevice.rint(y), -LIMIT), LIMIT)
-            codes = y.to(tl.int8).to(tl.uint8, bitcast=True)
+        scale, small = _encode(x.to(tl.float32), LIMIT, INV_LIMIT, FP8)
+        codes = small.to(tl.uint8, bitcast=True)
         tl.store(codes_ptr + row[:, None].to(tl.int64) * row_bytes + column, codes, mask=valid[:, None])
         tl.store(scales_ptr + row.to(tl.int64) * row_words + cols // 4 + block, scale, mask=valid)
 
@@ -80,20 +84,9 @@ if triton is not None:
         inside = valid[:, None] & (flat < numel)
         x = tl.load(x_ptr + flat, mask=inside, other=0.0).to(tl.float32)
         source = tl.where(inside, error + x, error)
-        scale = tl.max(tl.abs(source), axis=1) * INV_LIMIT
-        scale = scale + tl.sum(tl.where(source != source, source, tl.zeros_like(source)), axis=1)
-        safe = tl.where(scale > 0, scale, tl.full(scale.shape, 1.0, tl.float32))
-        y = tl.math.div_rn(source, safe[:, None])
-        if FP8:
-            y = tl.minimum(tl.maximum(y, -LIMIT), LIMIT)
-            small = y.to(tl.float8e4nv)
-            codes = small.to(tl.uint8, bitcast=True)
-            decoded = small.to(tl.float32)
-        else:
-            y = tl.minimum(tl.maximum(libdevice.rint(y), -LIMIT), LIMIT)
-            small = y.to(tl.int8)
-            codes = small.to(tl.uint8, bitcast=True)
-            decoded = small.to(tl.float32)
+        scale, small = _encode(source, LIMIT, INV_LIMIT, FP8)
+        codes = small.to(tl.uint8, bitcast=True)
+        decoded = small.to(tl.float32)
         tl.store(codes_ptr + row[:, None].to(tl.int64) * row_bytes + column, codes, mask=valid[:, None])
         tl.store(scales_ptr + row.to(tl.int64) * row_words + BLOCK // 4 + block, scale, mask=valid)
         # mul_rn: the product rounds on its own, as the separate decoding does (no fused multiply-add).

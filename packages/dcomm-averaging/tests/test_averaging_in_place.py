@@ -97,7 +97,7 @@ def _in_place_checks(rank: int, world: int) -> None:
     params = make_params(rank, [((6,), torch.float32, False)] * 4, seed=9)
     before = [p.data_ptr() for p in params]
     with torch.no_grad():
-        impl._average_in_place(list(params), dist.group.WORLD, pack_max_bytes=0)
+        impl._average_in_place(list(params), dist.group.WORLD)
     assert [p.data_ptr() for p in params] == before
     assert_averaged(params, exact_mean(everyone, [((6,), torch.float32, False)] * 4, seed=9))
 

@@ -33,7 +33,7 @@ Example::
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -209,13 +209,13 @@ def _span(run: list[torch.Tensor]) -> torch.Tensor:
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,), (1,))
 
 
-def _small_ones(tensors: list[torch.Tensor], pack_max_bytes: int) -> list[torch.Tensor]:
-    """The small tensors to pack together (in order, at most ``pack_max_bytes``); none if fewer than 2."""
-    small: list[torch.Tensor] = []
+def _small_ones(tensors: list[torch.Tensor], pack_max_bytes: int) -> list[int]:
+    """Indices of the small tensors to pack together (in order, at most ``pack_max_bytes``); none if fewer than 2."""
+    small: list[int] = []
     room = pack_max_bytes
-    for tensor in tensors:
+    for index, tensor in enumerate(tensors):
         if tensor.nbytes <= min(SMALL_PARAMETER_BYTES, room):
-            small.append(tensor)
+            small.append(index)
             room -= tensor.nbytes
     return small if len(small) > 1 else []
 
@@ -224,16 +224,17 @@ def _average_in_place(
     tensors: list[torch.Tensor],
     group: dist.ProcessGroup,
     launch_max_tensors: int = _LAUNCH_MAX_TENSORS,
-    pack_max_bytes: int = PACK_MAX_BYTES,
+    small: Sequence[int] = (),
 ) -> None:
     """Average same-device, same-dtype dense tensors over ``group`` in their own storage.
 
-    The small ones are first packed into one buffer (at most ``pack_max_bytes``). Divide in
-    place, then one coalesced allreduce of all of them (NCCL: one grouped launch of in-place
-    allreduces, at most 1024 per launch; ``AVG`` for fp32/fp64/bf16, so no division pass). One
-    launch beats several smaller ones: NCCL spreads the grouped allreduces over its channels and
-    reaches the bandwidth of one flat message. Then the current stream (never the host) waits for
-    each launch, fp16 gets its post-division, and the packed values go back to their tensors.
+    The tensors at the indices ``small`` (see :func:`_small_ones`) are first packed into one
+    buffer. Divide in place, then one coalesced allreduce of all of them (NCCL: one grouped launch
+    of in-place allreduces, at most 1024 per launch; ``AVG`` for fp32/fp64/bf16, so no division
+    pass). One launch beats several smaller ones: NCCL spreads the grouped allreduces over its
+    channels and reaches the bandwidth of one flat message. Then the current stream (never the
+    host) waits for each launch, fp16 gets its post-division, and the packed values go back to
+    their tensors.
     """
     # NCCL averages fp32/fp64/bf16 inside the collective (AVG: no division pass); fp16 keeps its
     # pre/post division (no pre-multiplied sums in a coalesced allreduce).
@@ -242,12 +243,11 @@ def _average_in_place(
     options.reduceOp = op
     if hasattr(options, "asyncOp"):
         options.asyncOp = True
-    small = _small_ones(tensors, pack_max_bytes)
     if small:
-        flats = [t.view(-1) for t in small]
+        flats = [tensors[i].view(-1) for i in small]
         packed = torch.cat(flats)
-        packed_ids = {id(t) for t in small}
-        tensors = [packed, *(t for t in tensors if id(t) not in packed_ids)]
+        packed_at = set(small)
+        tensors = [packed, *(t for i, t in enumerate(tensors) if i not in packed_at)]
     launched: list[tuple[dist.Work, list[torch.Tensor]]] = []
     for start in range(0, len(tensors), launch_max_tensors):
         chunk = tensors[start : start + launch_max_tensors]
@@ -259,7 +259,7 @@ def _average_in_place(
         if post != 1.0:
             foreach_div_(chunk, post)
     if small:
-        foreach_copy_(flats, list(packed.split([f.numel() for f in flats])))
+        torch.split_with_sizes_copy(packed, [f.numel() for f in flats], out=flats)
 
 
 def _average_group(flats: list[torch.Tensor], group: dist.ProcessGroup, staging: _Staging) -> None:
@@ -384,11 +384,14 @@ def _by_device(
 
 
 class _DeviceRecipe(NamedTuple):
-    """One device's parameters: indices per dtype, and for the in-place path their back-to-back runs."""
+    """One device's parameters: indices per dtype; for the in-place path, per dtype, their back-to-back
+    runs (None where every run is one tensor) and which of the merged tensors to pack (:func:`_small_ones`)."""
 
     device: torch.device
     groups: list[list[int]]
-    runs: list[list[tuple[int, int]]] | None  # None: the bucket path
+    in_place: bool
+    runs: list[list[tuple[int, int]] | None]
+    small: list[list[int]]
 
 
 class _Recipe(NamedTuple):
@@ -409,9 +412,10 @@ def _call_key(params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Path
     None when a parameter has no storage address (sparse): such calls are prepared every time.
     """
     try:
-        return (id(group), paths.in_place, tuple((id(p), p.data_ptr(), p.dtype) for p in params))
+        pointers = tuple(map(torch.Tensor.data_ptr, params))
     except RuntimeError:
         return None
+    return (id(group), paths, tuple(map(id, params)), pointers, tuple(p.dtype for p in params))
 
 
 def _prepare(
@@ -419,21 +423,28 @@ def _prepare(
 ) -> tuple[_Recipe, dict[torch.device, list[list[torch.Tensor]]]]:
     """Check every parameter and decide each device's path (raises before any collective).
 
-    Also returns the dense views it made of the in-place devices' parameters, for this call only
-    (the recipe, which is kept, holds indices).
+    ``paths.pack_max_bytes`` must already be bounded by the bucket cap. Also returns the dense
+    views it made of the in-place devices' parameters, for this call only (the recipe, which is
+    kept, holds indices).
     """
     by_device, integers = _by_device(params, group)
     devices = []
     dense: dict[torch.device, list[list[torch.Tensor]]] = {}
     for device, groups in by_device.items():
-        runs = None
         in_place = reduced_by_nccl(group, device) if paths.in_place is None else paths.in_place
+        runs: list[list[tuple[int, int]] | None] = []
+        small: list[list[int]] = []
         if in_place:
             tensors = dense[device] = [[_dense(params[i]) for i in indices] for indices in groups]
             spans = [[(t.data_ptr(), t.nbytes) for t in ts] for ts in tensors]
-            if not _overlap([span for group_spans in spans for span in group_spans]):
-                runs = [_adjacent_runs(ts, sp) for ts, sp in zip(tensors, spans, strict=True)]
-        devices.append(_DeviceRecipe(device, groups, runs))
+            in_place = not _overlap([span for group_spans in spans for span in group_spans])
+        if in_place:
+            for ts, sp in zip(tensors, spans, strict=True):
+                group_runs = _adjacent_runs(ts, sp)
+                merged = _merged(ts, group_runs)
+                runs.append(group_runs if len(merged) < len(ts) else None)
+                small.append(_small_ones(merged, paths.pack_max_bytes))
+        devices.append(_DeviceRecipe(device, groups, in_place, runs, small))
     return _Recipe(key, devices, integers), dense
 
 
@@ -451,13 +462,12 @@ def _average_on_device(
     """
     if groups is None:
         groups = [[_dense(params[i]) for i in indices] for indices in recipe.groups]
-    if recipe.runs is not None:
-        for tensors, runs in zip(groups, recipe.runs, strict=True):
-            merged = _merged(tensors, runs)
+    if recipe.in_place:
+        for tensors, runs, small in zip(groups, recipe.runs, recipe.small, strict=True):
+            merged = tensors if runs is None else _merged(tensors, runs)
             if paths.on_in_place is not None:
                 paths.on_in_place(merged)
-            pack_max_bytes = min(paths.pack_max_bytes, int(cap_bytes))  # never more than a bucket
-            _average_in_place(merged, group, paths.launch_max_tensors, pack_max_bytes)
+            _average_in_place(merged, group, paths.launch_max_tensors, small)
         return
     flat_groups = [[t if t.dim() == 1 else t.view(-1) for t in ts] for ts in groups]
     staging = _Staging(
@@ -486,6 +496,7 @@ def _average_parameters(
     if dist.get_rank(group) < 0:  # not a member: nothing to average here
         return
     paths = paths or _Paths()
+    paths = paths._replace(pack_max_bytes=min(paths.pack_max_bytes, int(cap_bytes)))  # never more than a bucket
     params = list(params)
     key = _call_key(params, group, paths)
     recipe = _LAST_RECIPE.get(id(group))

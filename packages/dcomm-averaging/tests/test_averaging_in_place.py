@@ -311,6 +311,30 @@ def _recipe_checks(rank: int, world: int) -> None:
             # Another list (one parameter fewer): prepared anew.
             impl._average_parameters(params[:-1], None, impl.DEFAULT_BUCKET_CAP_MB, paths)
             assert len(prepared) == 3
+            # Both lists in turn (parameter groups, a hierarchy's levels): each keeps its recipe.
+            for _ in range(3):
+                impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, paths)
+                impl._average_parameters(params[:-1], None, impl.DEFAULT_BUCKET_CAP_MB, paths)
+            assert len(prepared) == 3, "a recipe was forgotten when another list came in between"
+            # The same storage in another shape: prepared anew.
+            wide = next(p for p in params if p.dim() >= 2)
+            wide.data = wide.data.reshape(-1)
+            impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, paths)
+            assert len(prepared) == 4
+            # The kept recipes are bounded: the least recently used goes first.
+            kept, impl._RECIPES_KEPT = impl._RECIPES_KEPT, 3
+            try:
+                lists = [params[:count] for count in range(2, 7)]
+                for some in lists:
+                    impl._average_parameters(some, None, impl.DEFAULT_BUCKET_CAP_MB, paths)
+                assert len(impl._RECIPES) == 3
+                before = len(prepared)
+                impl._average_parameters(lists[-1], None, impl.DEFAULT_BUCKET_CAP_MB, paths)
+                assert len(prepared) == before, "a recent recipe was dropped"
+                impl._average_parameters(lists[0], None, impl.DEFAULT_BUCKET_CAP_MB, paths)
+                assert len(prepared) == before + 1, "an old recipe was kept past the bound"
+            finally:
+                impl._RECIPES_KEPT = kept
         # A bad parameter still raises on every call, before any collective.
         bad = [torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))]
         for _ in range(2):

@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -397,17 +398,19 @@ class _DeviceRecipe(NamedTuple):
 class _Recipe(NamedTuple):
     """What :func:`_prepare` decided for one list of parameters: indices only, never a tensor."""
 
-    key: tuple[Any, ...] | None
     devices: list[_DeviceRecipe]
     integers: list[int]
 
 
-_LAST_RECIPE: dict[int, _Recipe] = {}
-"""Per process group, the recipe of the last call (a periodic averager passes the same parameters)."""
+_RECIPES: collections.OrderedDict[tuple[Any, ...], _Recipe] = collections.OrderedDict()
+"""The recipes of the last calls, most recent last (a periodic averager passes the same parameters;
+several parameter lists, or several groups, are averaged in turn)."""
+
+_RECIPES_KEPT = 16
 
 
 def _call_key(params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Paths) -> tuple[Any, ...] | None:
-    """What must not change for a recipe to hold: the parameters, their storage and dtype, the path choice.
+    """What must not change for a recipe to hold: the parameters, their storage and layout, the path choice.
 
     None when a parameter has no storage address (sparse): such calls are prepared every time.
     """
@@ -415,11 +418,12 @@ def _call_key(params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Path
         pointers = tuple(map(torch.Tensor.data_ptr, params))
     except RuntimeError:
         return None
-    return (id(group), paths, tuple(map(id, params)), pointers, tuple(p.dtype for p in params))
+    layouts = tuple((p.dtype, p.shape, p.stride()) for p in params)
+    return (id(group), paths, tuple(map(id, params)), pointers, layouts)
 
 
 def _prepare(
-    params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Paths, key: tuple[Any, ...] | None
+    params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Paths
 ) -> tuple[_Recipe, dict[torch.device, list[list[torch.Tensor]]]]:
     """Check every parameter and decide each device's path (raises before any collective).
 
@@ -445,7 +449,7 @@ def _prepare(
                 runs.append(group_runs if len(merged) < len(ts) else None)
                 small.append(_small_ones(merged, paths.pack_max_bytes))
         devices.append(_DeviceRecipe(device, groups, in_place, runs, small))
-    return _Recipe(key, devices, integers), dense
+    return _Recipe(devices, integers), dense
 
 
 def _average_on_device(
@@ -499,12 +503,15 @@ def _average_parameters(
     paths = paths._replace(pack_max_bytes=min(paths.pack_max_bytes, int(cap_bytes)))  # never more than a bucket
     params = list(params)
     key = _call_key(params, group, paths)
-    recipe = _LAST_RECIPE.get(id(group))
+    recipe = None if key is None else _RECIPES.get(key)
     dense: dict[torch.device, list[list[torch.Tensor]]] = {}
-    if recipe is None or key is None or recipe.key != key:
-        recipe, dense = _prepare(params, group, paths, key)
-        if key is not None:
-            _LAST_RECIPE[id(group)] = recipe
+    if recipe is None:
+        recipe, dense = _prepare(params, group, paths)
+    if key is not None:
+        _RECIPES[key] = recipe
+        _RECIPES.move_to_end(key)
+        while len(_RECIPES) > _RECIPES_KEPT:
+            _RECIPES.popitem(last=False)
     with torch.no_grad():
         for device_recipe in recipe.devices:
             _average_on_device(device_recipe, params, group, cap_bytes, paths, dense.get(device_recipe.device))

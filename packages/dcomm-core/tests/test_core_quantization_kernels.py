@@ -139,3 +139,65 @@ def test_quantize_with_error_declines_what_it_cannot_fuse() -> None:
     assert not quantization.fused_quantize_with_error(values, error, "int4", 16, out)
     assert not quantization.fused_quantize_with_error(values, error, "bf16", 16, out)  # QuantizedAverage's bf16
     assert torch.equal(error, torch.zeros_like(error))
+
+
+def average_steps(received: torch.Tensor, world: int, fmt: str, block: int, error: torch.Tensor | None) -> torch.Tensor:
+    """The two-shot middle step in torch steps (QuantizedAverage's form without the fused kernel)."""
+    n = received.shape[0] // world
+    average = quantization.dequantize_rows(received, fmt, block, block).view(world, n * block).sum(0).div_(world)
+    if error is not None:
+        average.add_(error)
+    row = quantization.quantize_rows(average.view(n, block), fmt, block)
+    if error is not None:
+        torch.sub(average, quantization.dequantize_rows(row, fmt, block, block).view(-1), out=error)
+    return row
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("with_error", [False, True])
+def test_average_rows_is_the_torch_steps(fmt: str, world: int, with_error: bool) -> None:
+    block, n = 256, 37
+    received = quantization.quantize_rows(spread_rows(world * n, block, block, seed=world).mul_(0.5), fmt, block)
+    received[3 * n + 1 if world > 3 else n + 1, :block] = 0  # a zero block from one rank
+    bad = spread_rows(1, block, block, seed=7)
+    bad[0, 9] = float("nan")
+    received[n + 2] = quantization.quantize_rows(bad, fmt, block)[0]  # a NaN block from rank 1
+    error = spread_rows(1, n * block, block, seed=world + 1).view(-1).mul_(1e-3) if with_error else None
+    fused_error = None if error is None else error.clone()
+    steps_error = None if error is None else error.clone()
+    fused_row = torch.zeros(n, received.shape[1], dtype=torch.uint8, device="cuda")
+    assert quantization.fused_average_rows(received, world, fmt, block, fused_row, fused_error)
+    steps_row = average_steps(received, world, fmt, block, steps_error)
+    fused_values = quantization.dequantize_rows(fused_row, fmt, block, block)
+    steps_values = quantization.dequantize_rows(steps_row, fmt, block, block)
+    assert fused_values[2].isnan().all()
+    assert steps_values[2].isnan().all()
+    if world <= 4:  # torch sums four or fewer chunks in rank order: bit for bit
+        assert torch.equal(fused_row, steps_row)
+        if error is not None:
+            assert fused_error is not None
+            assert steps_error is not None
+            nan = steps_error.isnan()
+            assert torch.equal(fused_error.isnan(), nan)
+            assert torch.equal(fused_error[~nan].view(torch.int32), steps_error[~nan].view(torch.int32))
+    else:  # the order of the sum may differ: the means agree to within one code
+        ok = ~steps_values.isnan()
+        largest = steps_values.abs().amax(dim=1, keepdim=True).expand_as(steps_values)
+        step = largest / (127 if fmt == "int8" else 8)  # int8: the scale; e4m3: 3 mantissa bits
+        assert ((fused_values - steps_values).abs()[ok] <= 1.01 * step[ok]).all()
+
+
+def test_average_rows_declines_what_it_cannot_fuse() -> None:
+    block, n, world = 16, 4, 2
+    payload = quantization.payload_bytes(block, "int8", block)
+    received = torch.zeros(world * n, payload, dtype=torch.uint8, device="cuda")
+    row = torch.zeros(n, payload, dtype=torch.uint8, device="cuda")
+    error = torch.zeros(n * block, device="cuda")
+    assert not quantization.fused_average_rows(received.cpu(), world, "int8", block, row.cpu(), None)
+    assert not quantization.fused_average_rows(received, 3, "int8", block, row, None)  # not world chunks
+    assert not quantization.fused_average_rows(received, world, "int8", block, row, error[:-1])
+    assert not quantization.fused_average_rows(received, world, "int8", block, row, error.double())
+    assert not quantization.fused_average_rows(received, world, "bf16", block, row, None)
+    assert not quantization.fused_average_rows(received, world, "int4", block, row, None)
+    assert torch.equal(row, torch.zeros_like(row))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["dequantize_rows_into", "quantize_rows_into", "quantize_with_error_into", "usable"]
+__all__ = ["average_rows_into", "dequantize_rows_into", "quantize_rows_into", "quantize_with_error_into", "usable"]
 
 _GROUP = 8  # blocks per program
 _FORMATS = ("int8", "fp8")
@@ -94,6 +94,41 @@ if triton is not None:
         tl.store(error_ptr + flat, source - product, mask=inside)
 
     @triton.jit
+    def _average_rows(  # type: ignore[no-untyped-def]
+        received_ptr, received_words_ptr, error_ptr, row_ptr, row_words_ptr, n_rows, world, row_bytes, row_words,
+        INV_WORLD: tl.constexpr, LIMIT: tl.constexpr, INV_LIMIT: tl.constexpr, BLOCK: tl.constexpr,
+        GROUP: tl.constexpr, FP8: tl.constexpr, ERROR: tl.constexpr,
+    ):  # fmt: skip
+        # One block per row. Row r of the result encodes (sum over w of decoded row w * n_rows + r)
+        # / world (+ error); error keeps what that encoding lost.
+        valid, row, _, column = _blocks_of_program(n_rows, 1, BLOCK, GROUP)
+        total = tl.zeros((GROUP, BLOCK), tl.float32)
+        for w in range(0, world):
+            source = (w * n_rows + row).to(tl.int64)
+            raw = tl.load(received_ptr + source[:, None] * row_bytes + column, mask=valid[:, None], other=0)
+            if FP8:
+                values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                values = raw.to(tl.int8, bitcast=True).to(tl.float32)
+            scale = tl.load(received_words_ptr + source * row_words + BLOCK // 4, mask=valid, other=1.0)
+            # mul_rn: each decoded value rounds on its own before the sum (no fused multiply-add).
+            total += libdevice.mul_rn(values, tl.broadcast_to(scale[:, None], values.shape))
+        average = libdevice.mul_rn(total, tl.full(total.shape, INV_WORLD, tl.float32))
+        flat = row[:, None].to(tl.int64) * BLOCK + column
+        if ERROR:
+            average += tl.load(error_ptr + flat, mask=valid[:, None], other=0.0)
+        scale, small = _encode(average, LIMIT, INV_LIMIT, FP8)
+        tl.store(
+            row_ptr + row[:, None].to(tl.int64) * row_bytes + column,
+            small.to(tl.uint8, bitcast=True),
+            mask=valid[:, None],
+        )
+        tl.store(row_words_ptr + row.to(tl.int64) * row_words + BLOCK // 4, scale, mask=valid)
+        if ERROR:
+            decoded = libdevice.mul_rn(small.to(tl.float32), tl.broadcast_to(scale[:, None], average.shape))
+            tl.store(error_ptr + flat, average - decoded, mask=valid[:, None])
+
+    @triton.jit
     def _dequantize(  # type: ignore[no-untyped-def]
         codes_ptr, scales_ptr, out_ptr, n_blocks, blocks_per_row, cols, row_bytes, row_words,
         BLOCK: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
@@ -151,6 +186,35 @@ def quantize_with_error_into(
     _quantize_with_error[_grid(n_blocks)](
         values, error, out, out.view(torch.float32), values.numel(), n_blocks, row_bytes, row_bytes // 4,
         LIMIT=limit, INV_LIMIT=1.0 / limit, BLOCK=block_size, GROUP=_GROUP, FP8=fmt == "fp8",
+    )  # fmt: skip
+
+
+def average_rows_into(
+    received: torch.Tensor,
+    world: int,
+    fmt: str,
+    block_size: int,
+    out: torch.Tensor,
+    error: torch.Tensor | None,
+    limit: float,
+) -> None:
+    """The middle step of a two-shot average in one launch: decode, sum, average, re-encode.
+
+    ``received`` holds ``world`` chunks of ``n`` rows (``[world * n, payload]`` uint8, one block
+    per row); row ``r`` of ``out`` (``[n, payload]``) encodes the mean of the ``world`` decoded
+    rows ``w * n + r``, plus ``error`` (float32, ``n * block_size``) when given, which then keeps
+    what the encoding lost. The same arithmetic, bit for bit, as decoding, summing the chunks in
+    order, multiplying by the float32 reciprocal of ``world`` (torch's division by a scalar),
+    adding the error, :func:`quantize_rows_into` and subtracting the decoded codes.
+    """
+    n_rows = out.shape[0]
+    row_bytes = out.stride(0)
+    inv_world = (torch.tensor(1.0, dtype=torch.float32) / world).item()
+    _average_rows[_grid(n_rows)](
+        received, received.view(torch.float32), out if error is None else error, out, out.view(torch.float32),
+        n_rows, world, row_bytes, row_bytes // 4,
+        INV_WORLD=inv_world, LIMIT=limit, INV_LIMIT=1.0 / limit, BLOCK=block_size, GROUP=_GROUP,
+        FP8=fmt == "fp8", ERROR=error is not None,
     )  # fmt: skip
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "code_bytes",
     "dequantize",
     "dequantize_rows",
+    "fused_average_rows",
     "fused_quantize_with_error",
     "max_code",
     "num_blocks",
@@ -309,6 +310,47 @@ def fused_quantize_with_error(
     ):
         return False
     fused.quantize_with_error_into(values.view(-1), error, fmt, block_size, out, _MAX_CODE[fmt])
+    return True
+
+
+def fused_average_rows(
+    received: torch.Tensor, world: int, fmt: str, block_size: int, out: torch.Tensor, error: torch.Tensor | None
+) -> bool:
+    """A two-shot average's middle step in one CUDA launch, where the fused kernels apply.
+
+    ``received`` is ``world`` chunks of :func:`quantize_rows` rows (one block per row, ``n`` rows
+    each, stacked); ``out`` (``n`` rows) gets the encoded mean of the chunks, plus ``error``
+    (float32, ``n * block_size`` values, or None), which then keeps what that encoding lost. Bit
+    for bit the torch steps (decode, sum in rank order, divide by ``world``, add the error,
+    encode, subtract the decoded codes) up to 4 ranks; beyond, the sum's order may differ from
+    torch's by rounding. Returns False (nothing done) off CUDA, without Triton, for formats other
+    than int8 and fp8, or for other layouts.
+
+    Example::
+
+        >>> fused_average_rows(received, 4, "int8", 256, row, shard_error)  # doctest: +SKIP
+        True
+    """
+    if fmt not in ("int8", "fp8"):
+        return False
+    payload = payload_bytes(block_size, fmt, block_size)
+    n = out.shape[0]
+    if (
+        not received.is_cuda
+        or received.shape != (world * n, payload)
+        or out.shape[1] != payload
+        or not _word_aligned_rows(received)
+        or not _word_aligned_rows(out)
+    ):
+        return False
+    if error is not None and (
+        error.dtype != torch.float32 or not error.is_contiguous() or error.numel() != n * block_size
+    ):
+        return False
+    fused = _fused_kernels(out.view(torch.float32), fmt, block_size)  # a float view: the kernels' dtype check
+    if fused is None:
+        return False
+    fused.average_rows_into(received, world, fmt, block_size, out, error, _MAX_CODE[fmt])
     return True
 
 

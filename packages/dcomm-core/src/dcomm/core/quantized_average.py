@@ -44,6 +44,7 @@ from dcomm.core.low_precision import keep_until_stream_done
 from dcomm.core.quantization import (
     QUANTIZED_FORMATS,
     dequantize_rows,
+    fused_average_rows,
     fused_quantize_with_error,
     payload_bytes,
     quantize_rows,
@@ -383,14 +384,17 @@ class PendingQuantizedAverage:
         with self._on_side_stream():
             assert self._future is not None
             self._future.wait()
-            chunk = buffers.row.shape[0] * averager.block_size
-            average = averager._decode(buffers.received).view(world, chunk).sum(0).div_(world)
             shard_error = self._shard_error
+            fmt, block = averager.fmt, averager.block_size
+            if not fused_average_rows(buffers.received, world, fmt, block, buffers.row, shard_error):
+                chunk = buffers.row.shape[0] * block
+                average = averager._decode(buffers.received).view(world, chunk).sum(0).div_(world)
+                if shard_error is not None:
+                    average.add_(shard_error)
+                averager._encode_rows(average.view(-1, block), buffers.row)
+                if shard_error is not None:
+                    torch.sub(average, averager._decode(buffers.row).view(-1), out=shard_error)
             if shard_error is not None:
-                average.add_(shard_error)
-            averager._encode_rows(average.view(-1, averager.block_size), buffers.row)
-            if shard_error is not None:
-                torch.sub(average, averager._decode(buffers.row).view(-1), out=shard_error)
                 keep_until_stream_done(shard_error)
             keep_until_stream_done(buffers.received)
             work = start_all_gather(buffers.gathered.view(-1), buffers.row.view(-1), resolve_group(self._group))

@@ -316,9 +316,12 @@ def _recipe_checks(rank: int, world: int) -> None:
                 impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, paths)
                 impl._average_parameters(params[:-1], None, impl.DEFAULT_BUCKET_CAP_MB, paths)
             assert len(prepared) == 3, "a recipe was forgotten when another list came in between"
-            # The same storage in another shape: prepared anew.
+            # The same storage in another shape (same bytes): the recipe holds. Fewer bytes: prepared anew.
             wide = next(p for p in params if p.dim() >= 2)
             wide.data = wide.data.reshape(-1)
+            impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, paths)
+            assert len(prepared) == 3
+            wide.data = wide.data[:-1]
             impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, paths)
             assert len(prepared) == 4
             # The kept recipes are bounded: the least recently used goes first.

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -260,7 +261,7 @@ def _average_in_place(
         if post != 1.0:
             foreach_div_(chunk, post)
     if small:
-        torch.split_with_sizes_copy(packed, [f.numel() for f in flats], out=flats)
+        foreach_copy_(flats, list(packed.split([f.numel() for f in flats])))
 
 
 def _average_group(flats: list[torch.Tensor], group: dist.ProcessGroup, staging: _Staging) -> None:
@@ -402,24 +403,44 @@ class _Recipe(NamedTuple):
     integers: list[int]
 
 
-_RECIPES: collections.OrderedDict[tuple[Any, ...], _Recipe] = collections.OrderedDict()
-"""The recipes of the last calls, most recent last (a periodic averager passes the same parameters;
-several parameter lists, or several groups, are averaged in turn)."""
+_RECIPES: collections.OrderedDict[int, tuple[tuple[Any, ...], _Recipe]] = collections.OrderedDict()
+"""The recipes of the last calls by the hash of their key, most recent last (a periodic averager
+passes the same parameters; several parameter lists, or several groups, are averaged in turn)."""
 
 _RECIPES_KEPT = 16
 
+_dtype_of = operator.attrgetter("dtype")
+
 
 def _call_key(params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Paths) -> tuple[Any, ...] | None:
-    """What must not change for a recipe to hold: the parameters, their storage and layout, the path choice.
+    """What must not change for a recipe to hold: the parameters, their storage, dtype and size, the paths.
 
-    None when a parameter has no storage address (sparse): such calls are prepared every time.
+    Flat tuples, cheap to build and hash (a recipe depends on each parameter's address and byte
+    count, not on its shape). None when a parameter has no storage address (sparse): such calls
+    are prepared every time.
     """
     try:
         pointers = tuple(map(torch.Tensor.data_ptr, params))
     except RuntimeError:
         return None
-    layouts = tuple((p.dtype, p.shape, p.stride()) for p in params)
-    return (id(group), paths, tuple(map(id, params)), pointers, layouts)
+    sizes = tuple(map(torch.Tensor.numel, params))
+    return (id(group), paths, tuple(map(id, params)), pointers, sizes, tuple(map(_dtype_of, params)))
+
+
+def _recipe_for(key: tuple[Any, ...] | None) -> tuple[int | None, _Recipe | None]:
+    """The kept recipe of ``key`` (None if there is none) and the key's hash (computed once per call)."""
+    if key is None:
+        return None, None
+    digest = hash(key)
+    kept = _RECIPES.get(digest)
+    return digest, (kept[1] if kept is not None and kept[0] == key else None)
+
+
+def _keep(digest: int, key: tuple[Any, ...], recipe: _Recipe) -> None:
+    _RECIPES[digest] = (key, recipe)
+    _RECIPES.move_to_end(digest)
+    while len(_RECIPES) > _RECIPES_KEPT:
+        _RECIPES.popitem(last=False)
 
 
 def _prepare(
@@ -503,15 +524,12 @@ def _average_parameters(
     paths = paths._replace(pack_max_bytes=min(paths.pack_max_bytes, int(cap_bytes)))  # never more than a bucket
     params = list(params)
     key = _call_key(params, group, paths)
-    recipe = None if key is None else _RECIPES.get(key)
+    digest, recipe = _recipe_for(key)
     dense: dict[torch.device, list[list[torch.Tensor]]] = {}
     if recipe is None:
         recipe, dense = _prepare(params, group, paths)
-    if key is not None:
-        _RECIPES[key] = recipe
-        _RECIPES.move_to_end(key)
-        while len(_RECIPES) > _RECIPES_KEPT:
-            _RECIPES.popitem(last=False)
+    if key is not None and digest is not None:
+        _keep(digest, key, recipe)
     with torch.no_grad():
         for device_recipe in recipe.devices:
             _average_on_device(device_recipe, params, group, cap_bytes, paths, dense.get(device_recipe.device))

@@ -22,7 +22,13 @@ from tools.bench_results import Ratio, ResultRow, load, rows_of, setup_of
 __all__ = ["chart_points", "main", "write_chart"]
 
 PRECISION_MARKERS = {"fp32": "o", "tf32": "s", "bf16-autocast": "D", "-": "o"}
-WORKLOAD_COLORS = {"mlp-wide": "tab:blue", "mlp-deep": "tab:orange", "transformer": "tab:green", "-": "tab:gray"}
+WORKLOAD_COLORS = {
+    "mlp-wide": "tab:blue",
+    "mlp-deep": "tab:orange",
+    "transformer": "tab:green",
+    "cnn": "tab:red",
+    "-": "tab:gray",
+}
 
 
 Point = tuple[str, str, str, Ratio]
@@ -95,10 +101,8 @@ def write_chart(runs: list[dict[str, Any]], out: str) -> None:
     import matplotlib.pyplot as plt
 
     panels = [(run, rows_of(run)) for run in runs]
-    heights = [max(len(chart_points(rows, "torch")), len(chart_points(rows, "reference")), 4) for _, rows in panels]
-    figure, axes = plt.subplots(
-        len(panels), 2, figsize=(14, 1.5 + 0.09 * sum(heights)), squeeze=False, height_ratios=heights
-    )
+    heights = [max(len(chart_points(rows, "torch")), len(chart_points(rows, "reference")), 3) + 4 for _, rows in panels]
+    figure, axes = plt.subplots(len(panels), 2, figsize=(14, 0.17 * sum(heights)), squeeze=False, height_ratios=heights)
     for (run, rows), (left, right) in zip(panels, axes, strict=True):
         _panel(left, chart_points(rows, "torch"), "dcomm / torch (median per-round ratio, 95% interval)")
         _panel(right, chart_points(rows, "reference"), "dcomm / reference")

@@ -106,3 +106,31 @@ def test_torchft_missing_says_why_without_raising(monkeypatch: pytest.MonkeyPatc
     reason = torchft_missing()
     assert reason.startswith("skipped: torchft is not importable (")
     assert "torchft" in reason.split("(", 1)[1]
+
+
+class _GpuBench:
+    """A stand-in bench that says it runs on CUDA (the case is only planned, nothing is built)."""
+
+    is_cuda = True
+
+    def agree(self, message: str) -> str:
+        return message
+
+
+@pytest.mark.parametrize("torchft_importable", [True, False])
+def test_gpu_runs_also_compare_fp8_pseudo_gradients(monkeypatch: pytest.MonkeyPatch, torchft_importable: bool) -> None:
+    from tools.bench.cases import diloco
+    from tools.bench.cases.common import Context
+    from tools.bench.workloads import WORKLOADS as ALL_WORKLOADS
+
+    monkeypatch.setattr(diloco, "torchft_missing", lambda: "" if torchft_importable else "skipped: no torchft")
+    monkeypatch.setattr(diloco, "_torchft_version", lambda: "0.2.0")
+    case = diloco.diloco_case(Context(_GpuBench(), ALL_WORKLOADS["mlp-deep"]["small"], "fp32"))  # type: ignore[arg-type]
+    pairs = {(pair.label, pair.a, pair.b) for pair in case.pairs}
+    assert "dcomm diloco fp8" in case.variants
+    assert ("diloco/fp8", "dcomm diloco fp8", "ddp adamw") in pairs
+    if torchft_importable:
+        assert "torchft diloco fp8" in case.variants
+        assert ("diloco/fp8", "dcomm diloco fp8", "torchft diloco fp8") in pairs
+    else:
+        assert not any("torchft" in name for name in case.variants)

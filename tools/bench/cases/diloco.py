@@ -2,8 +2,9 @@
 
 Every variant trains the workload in fp32 with AdamW (lr 4e-4) on each rank's own batch. The two
 DiLoCo variants sync every ``SYNC_EVERY`` inner steps with an outer SGD (lr 0.7, momentum 0.9,
-Nesterov), plain DiLoCo (one fragment, no delay, no compression); ``ddp adamw`` (the reference)
-allreduces the gradients every step. A round times one period of each, sync included; the warm-up
+Nesterov), plain DiLoCo (one fragment, no delay, no compression), and on GPUs also with fp8
+pseudo-gradients (dcomm's ``compression="fp8"``, torchft's ``should_quantize``); ``ddp adamw``
+(the reference) allreduces the gradients every step. A round times one period of each, sync included; the warm-up
 is one period too (torchft's first quorum, and its healing of the other replicas from the first
 at step 0, happen there).
 
@@ -18,8 +19,8 @@ Each variant reports the bytes each rank sent per inner step, the inner steps it
 all) and the loss afterwards, averaged over the ranks' batches (every variant ends on a sync, so
 its replicas are equal). dcomm's bytes are its own counter (``bytes_sent``). torchft has none: the
 case counts the bytes of the tensors handed to its ``Manager.allreduce`` (every parameter's fp32
-pseudo-gradient once per sync; torchft quantizes only on CUDA with triton, and is not asked to)
-at the cost dcomm's counter charges an fp32 allreduce, ``2 (n - 1) / n`` bytes sent per byte; DDP's
+pseudo-gradient once per sync; one byte per value when it quantizes, its scales not counted) at
+the cost dcomm's counter charges an allreduce, ``2 (n - 1) / n`` bytes sent per byte; DDP's
 is the same cost for its fp32 gradients every step. torchft's quorum and commit RPCs to the
 lighthouse and the managers are not counted.
 
@@ -131,13 +132,13 @@ def build_ddp_adamw(ctx: Context) -> Variant:
     return Variant(train_step(ctx, ddp, inner), details=details)
 
 
-def build_dcomm(ctx: Context) -> Variant:
-    """dcomm's ``DiLoCoOptimizer`` over WORLD."""
+def build_dcomm(ctx: Context, compression: str | None = None) -> Variant:
+    """dcomm's ``DiLoCoOptimizer`` over WORLD, its pseudo-gradients sent in ``compression``."""
     from dcomm.averaging import DiLoCoOptimizer
 
     model = ctx.model()
     inner, outer = _optimizers(model)
-    opt = DiLoCoOptimizer(inner, outer, sync_every=SYNC_EVERY)
+    opt = DiLoCoOptimizer(inner, outer, sync_every=SYNC_EVERY, compression=compression)
     return Variant(train_step(ctx, model, opt), details=_report(ctx, model, inner, lambda: opt.bytes_sent))
 
 
@@ -170,8 +171,12 @@ def _shut_down(manager: Any, lighthouse: Any, store: dist.TCPStore) -> None:
         lighthouse.shutdown()
 
 
-def build_torchft(ctx: Context) -> Variant:
-    """torchft's ``DiLoCo``: this rank is a replica group of one, meeting the others at rank 0's lighthouse."""
+def build_torchft(ctx: Context, quantize: bool = False) -> Variant:
+    """torchft's ``DiLoCo``: this rank is a replica group of one, meeting the others at rank 0's lighthouse.
+
+    ``quantize``: its fp8 pseudo-gradients (``should_quantize``; CUDA with triton only), counted as
+    one byte per value (its scales are not counted).
+    """
     from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
     from torchft.local_sgd import DiLoCo
 
@@ -197,13 +202,15 @@ def build_torchft(ctx: Context) -> Variant:
     allreduce = manager.allreduce
 
     def counted_allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        handed[0] += tensor.numel() * tensor.element_size()
+        handed[0] += tensor.numel() * (1 if kwargs.get("should_quantize") else tensor.element_size())
         return allreduce(tensor, *args, **kwargs)
 
     manager.allreduce = counted_allreduce
     model = ctx.model()
     inner, outer = _optimizers(model)
-    diloco = DiLoCo(manager, [model], inner, outer, sync_every=SYNC_EVERY, backup_device=ctx.device)
+    diloco = DiLoCo(
+        manager, [model], inner, outer, sync_every=SYNC_EVERY, backup_device=ctx.device, should_quantize=quantize
+    )
     diloco.__enter__()  # its hooks on inner.step run the syncs; they go with inner
     step = train_step(ctx, model, inner)
     weakref.finalize(step, _shut_down, manager, lighthouse, store)
@@ -217,11 +224,18 @@ def diloco_case(ctx: Context) -> Case:
     }
     details: dict[str, Any] = {"H": SYNC_EVERY}
     missing = ctx.bench.agree(torchft_missing())  # every rank builds the same variants
+    if ctx.bench.is_cuda:  # torchft quantizes only on CUDA: compressed runs are compared there
+        variants["dcomm diloco fp8"] = lambda: build_dcomm(ctx, compression="fp8")
     if missing:
         details["torchft"] = missing
         pairs = [Pair("diloco", "dcomm diloco", "ddp adamw", "dcomm/reference")]
+        if ctx.bench.is_cuda:
+            pairs.append(Pair("diloco/fp8", "dcomm diloco fp8", "ddp adamw", "dcomm/reference"))
     else:
         details["torchft"] = _torchft_version()
         variants["torchft diloco"] = lambda: build_torchft(ctx)
         pairs = impl_pairs("diloco", "dcomm diloco", "torchft diloco", "ddp adamw")
+        if ctx.bench.is_cuda:
+            variants["torchft diloco fp8"] = lambda: build_torchft(ctx, quantize=True)
+            pairs += impl_pairs("diloco/fp8", "dcomm diloco fp8", "torchft diloco fp8", "ddp adamw")
     return Case("diloco", variants, pairs, steps_per_round=SYNC_EVERY, warmup_steps=SYNC_EVERY, details=details)

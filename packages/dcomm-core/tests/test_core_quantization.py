@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -200,3 +202,22 @@ def test_rows_with_scales_at_any_byte_offset(fmt: str) -> None:
         out = torch.empty(1, 6)
         quantize_rows(rows[i : i + 1], fmt, 2, out=packed[i : i + 1, :].clone())
         assert torch.equal(dequantize_rows(packed[i : i + 1], fmt, 6, 2, out=out)[0], alone)
+
+
+def test_a_fused_kernel_that_fails_to_build_hands_over_to_the_torch_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dcomm.core import quantization
+
+    monkeypatch.setattr(quantization, "_FUSED_FAILURE", [])
+    launches: list[str] = []
+
+    def broken() -> None:
+        launches.append("broken")
+        raise RuntimeError("triton: cannot build the kernel")
+
+    with pytest.warns(UserWarning, match="torch form from now on"):
+        assert not quantization._launched(broken)
+    assert quantization._FUSED_FAILURE == ["RuntimeError: triton: cannot build the kernel"]
+    cuda_like = types.SimpleNamespace(is_cuda=True, dtype=torch.float32)
+    assert quantization._fused_kernels(cuda_like, "int8", 4) is None  # type: ignore[arg-type]  # none tried again
+    assert quantization._launched(lambda: launches.append("fine"))
+    assert launches == ["broken", "fine"]

@@ -114,7 +114,7 @@ def test_quantize_with_error_is_the_three_steps_bit_for_bit(
 ) -> None:
     rows = -(-numel // block)
     values = spread_rows(1, rows * block, block, seed=numel).view(-1)[:numel].to(dtype).clone()
-    values[5] = float("nan") if numel > 100 else values[5]  # a NaN block keeps NaN scale and error
+    values[5] = float("nan") if numel > 100 else values[5]  # a NaN block: NaN scale, its error kept
     error = spread_rows(1, rows * block, block, seed=numel + 1).view(-1).mul_(1e-3)
     error[-3:] = -0.0  # the padded tail: never updated
     payload = quantization.payload_bytes(block, fmt, block)
@@ -124,7 +124,9 @@ def test_quantize_with_error_is_the_three_steps_bit_for_bit(
     steps_error[:numel].add_(values)
     quantization.quantize_rows(steps_error.view(rows, block), fmt, block, out=steps_out)
     steps_error[:numel].sub_(quantization.dequantize_rows(steps_out, fmt, block, block).view(-1)[:numel])
+    steps_error = torch.where(torch.isfinite(steps_error), steps_error, error)  # a bad block keeps its error
     assert torch.equal(fused_out, steps_out)
+    assert torch.isfinite(fused_error).all(), "a NaN block poisoned the error memory"
     nan = steps_error.isnan()
     assert torch.equal(fused_error.isnan(), nan)
     assert torch.equal(fused_error[~nan].view(torch.int32), steps_error[~nan].view(torch.int32))  # -0.0 too
@@ -149,7 +151,8 @@ def average_steps(received: torch.Tensor, world: int, fmt: str, block: int, erro
         average.add_(error)
     row = quantization.quantize_rows(average.view(n, block), fmt, block)
     if error is not None:
-        torch.sub(average, quantization.dequantize_rows(row, fmt, block, block).view(-1), out=error)
+        updated = torch.sub(average, quantization.dequantize_rows(row, fmt, block, block).view(-1))
+        error.copy_(torch.where(torch.isfinite(updated), updated, error))  # a bad block keeps its error
     return row
 
 
@@ -173,6 +176,8 @@ def test_average_rows_is_the_torch_steps(fmt: str, world: int, with_error: bool)
     steps_values = quantization.dequantize_rows(steps_row, fmt, block, block)
     assert fused_values[2].isnan().all()
     assert steps_values[2].isnan().all()
+    if fused_error is not None:
+        assert torch.isfinite(fused_error).all(), "the NaN block poisoned the shard error"
     if world <= 4:  # torch sums four or fewer chunks in rank order: bit for bit
         assert torch.equal(fused_row, steps_row)
         if error is not None:

@@ -153,6 +153,57 @@ def test_error_feedback_carries_exactly_what_rounding_lost(world: int) -> None:
     run_ranks(_error_feedback, world, timeout=TIMEOUT)
 
 
+def _overflowed_step(rank: int, world: int) -> None:
+    numel = 8 * BLOCK
+    bad_blocks = (0, 5)
+    for fmt in AVERAGE_FORMATS:
+        averager = QuantizedAverage(fmt, BLOCK)
+        error = torch.zeros(averager.padded_numel(numel, world))
+        shard_error = torch.zeros(averager.shard_numel(numel, world))
+
+        def average(
+            x: torch.Tensor,
+            averager: QuantizedAverage = averager,
+            error: torch.Tensor = error,
+            shard_error: torch.Tensor = shard_error,
+        ) -> torch.Tensor:
+            pending = averager.begin(x, None, error=error, shard_error=shard_error, key="k")
+            pending.launch()
+            return pending.result()
+
+        for step in range(2):
+            average(rank_tensor(rank, step, numel))
+        before = error.clone()
+        x = rank_tensor(rank, 2, numel)
+        if rank == 1:  # an fp16 step that overflowed on one rank: an inf in one block, a NaN in another
+            x[bad_blocks[0] * BLOCK + 3] = float("inf")
+            x[bad_blocks[1] * BLOCK + 1] = float("nan")
+        out = average(x)
+        for block in bad_blocks:  # every rank sees the step as bad there (so a GradScaler skips it)
+            assert not torch.isfinite(out[block * BLOCK : (block + 1) * BLOCK]).all(), (fmt, block)
+        # The memories stay finite: where the update was not, the carried error is kept.
+        assert torch.isfinite(error).all(), fmt
+        assert torch.isfinite(shard_error).all(), fmt
+        if rank == 1:  # int8/fp8 blocks share one scale, so the whole block keeps its error; bf16 the value
+            bad = ~torch.isfinite(x)
+            if fmt != "bf16":
+                bad = bad.view(-1, BLOCK).any(1, keepdim=True).expand(-1, BLOCK).reshape(-1)
+            assert torch.equal(error[:numel][bad], before[:numel][bad]), fmt
+            assert not torch.equal(error[:numel][~bad], before[:numel][~bad]), fmt
+        good = [b for b in range(numel // BLOCK) if b not in bad_blocks]
+        assert all(torch.isfinite(out[b * BLOCK : (b + 1) * BLOCK]).all() for b in good), fmt
+        after = average(rank_tensor(rank, 3, numel))
+        assert torch.isfinite(after).all(), (
+            f"{fmt}: the next step is still poisoned at {(~torch.isfinite(after)).nonzero().view(-1)[:8].tolist()}"
+        )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_overflowed_step_does_not_poison_the_error_memories(world: int) -> None:
+    run_ranks(_overflowed_step, world, timeout=TIMEOUT)
+
+
 def _group_of_one_and_bad_arguments(rank: int, world: int) -> None:
     averager = QuantizedAverage("int8", BLOCK)
     x = rank_tensor(rank, 0, 100)

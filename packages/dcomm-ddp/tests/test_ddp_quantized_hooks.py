@@ -135,6 +135,27 @@ def test_error_feedback_sum_converges_to_fp32_sum(world: int) -> None:
     run_ranks(_error_feedback, world, timeout=TIMEOUT)
 
 
+def _overflowed_step(rank: int, world: int) -> None:
+    numel = 300
+    for fmt, hook in HOOKS.items():
+        state = QuantizedState(None, error_feedback=True, block_size=BLOCK)
+        for step in range(3):
+            g = grad(rank, step, numel)
+            if step == 1 and rank == 0:  # an fp16 step that overflowed (a GradScaler then skips it)
+                g[7] = float("inf")
+            averaged = hook(state, Bucket(g)).wait()
+            assert torch.isfinite(averaged).all() == (step != 1), (fmt, step)
+            memories = [*state.error_dict.values(), *state.shard_error_dict.values()]
+            assert memories, fmt
+            assert all(torch.isfinite(m).all() for m in memories), f"{fmt}: step {step} poisoned the error memory"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_overflowed_step_leaves_later_steps_finite(world: int) -> None:
+    run_ranks(_overflowed_step, world, timeout=TIMEOUT)
+
+
 def _resume(rank: int, world: int) -> None:
     numel = 500
     for hook in HOOKS.values():

@@ -91,7 +91,10 @@ if triton is not None:
         tl.store(scales_ptr + row.to(tl.int64) * row_words + BLOCK // 4 + block, scale, mask=valid)
         # mul_rn: the product rounds on its own, as the separate decoding does (no fused multiply-add).
         product = libdevice.mul_rn(decoded, tl.broadcast_to(scale[:, None], decoded.shape))
-        tl.store(error_ptr + flat, source - product, mask=inside)
+        updated = source - product
+        # A block that was not finite (an overflowed step) leaves its carried error as it was.
+        finite = tl.abs(updated) <= 3.4028234663852886e38  # False for NaN and infinities
+        tl.store(error_ptr + flat, tl.where(finite, updated, error), mask=inside)
 
     @triton.jit
     def _average_rows(  # type: ignore[no-untyped-def]
@@ -115,8 +118,10 @@ if triton is not None:
             total += libdevice.mul_rn(values, tl.broadcast_to(scale[:, None], values.shape))
         average = libdevice.mul_rn(total, tl.full(total.shape, INV_WORLD, tl.float32))
         flat = row[:, None].to(tl.int64) * BLOCK + column
+        carried = tl.zeros((GROUP, BLOCK), tl.float32)
         if ERROR:
-            average += tl.load(error_ptr + flat, mask=valid[:, None], other=0.0)
+            carried = tl.load(error_ptr + flat, mask=valid[:, None], other=0.0)
+            average += carried
         scale, small = _encode(average, LIMIT, INV_LIMIT, FP8)
         tl.store(
             row_ptr + row[:, None].to(tl.int64) * row_bytes + column,
@@ -126,7 +131,9 @@ if triton is not None:
         tl.store(row_words_ptr + row.to(tl.int64) * row_words + BLOCK // 4, scale, mask=valid)
         if ERROR:
             decoded = libdevice.mul_rn(small.to(tl.float32), tl.broadcast_to(scale[:, None], average.shape))
-            tl.store(error_ptr + flat, average - decoded, mask=valid[:, None])
+            updated = average - decoded
+            finite = tl.abs(updated) <= 3.4028234663852886e38  # a block that was not finite keeps its error
+            tl.store(error_ptr + flat, tl.where(finite, updated, carried), mask=valid[:, None])
 
     @triton.jit
     def _dequantize(  # type: ignore[no-untyped-def]
@@ -177,9 +184,10 @@ def quantize_with_error_into(
 
     ``error`` (float32, one row of ``block_size`` per row of ``out``) gets the flat ``values``
     added over their length; that sum is quantized into ``out`` (``[rows, payload]`` uint8,
-    one block per row); then ``error`` keeps, over the same length, what the codes lost. The
-    same arithmetic, bit for bit, as ``error[:n].add_(values)``, :func:`quantize_rows_into`
-    and ``error[:n].sub_(decoded)``.
+    one block per row); then ``error`` keeps, over the same length, what the codes lost, or its
+    previous value where that is not finite. The same arithmetic, bit for bit, as
+    ``error[:n].add_(values)``, :func:`quantize_rows_into`, ``error[:n].sub_(decoded)`` and
+    that last rule.
     """
     n_blocks = out.shape[0]
     row_bytes = out.stride(0)
@@ -203,9 +211,10 @@ def average_rows_into(
     ``received`` holds ``world`` chunks of ``n`` rows (``[world * n, payload]`` uint8, one block
     per row); row ``r`` of ``out`` (``[n, payload]``) encodes the mean of the ``world`` decoded
     rows ``w * n + r``, plus ``error`` (float32, ``n * block_size``) when given, which then keeps
-    what the encoding lost. The same arithmetic, bit for bit, as decoding, summing the chunks in
-    order, multiplying by the float32 reciprocal of ``world`` (torch's division by a scalar),
-    adding the error, :func:`quantize_rows_into` and subtracting the decoded codes.
+    what the encoding lost (its previous value where that is not finite). The same arithmetic,
+    bit for bit, as decoding, summing the chunks in order, multiplying by the float32 reciprocal
+    of ``world`` (torch's division by a scalar), adding the error, :func:`quantize_rows_into`
+    and subtracting the decoded codes.
     """
     n_rows = out.shape[0]
     row_bytes = out.stride(0)

@@ -20,10 +20,12 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from dcomm.core.log import warn_once
 from dcomm.core.validation import even_int
 
 __all__ = [
@@ -274,13 +276,34 @@ def _word_aligned_rows(packed: torch.Tensor) -> bool:
     return packed.stride(1) == 1 and packed.stride(0) % 4 == 0 and packed.storage_offset() % 4 == 0
 
 
+_FUSED_FAILURE: list[str] = []
+"""The first failure of a fused kernel in this process (a Triton that cannot build or launch it):
+from then on every call takes the torch form, which gives the same bits."""
+
+
 def _fused_kernels(tensor: torch.Tensor, fmt: str, block_size: int) -> Any:
     """The fused Triton kernels when they take ``tensor`` (CUDA, int8/fp8), else None."""
-    if not tensor.is_cuda:
+    if not tensor.is_cuda or _FUSED_FAILURE:
         return None
     from dcomm.core import _quantization_kernels
 
     return _quantization_kernels if _quantization_kernels.usable(tensor, fmt, block_size) else None
+
+
+def _launched(launch: Callable[[], object]) -> bool:
+    """Run one fused-kernel launch; False, with one warning, where Triton fails to build or launch it."""
+    try:
+        launch()
+    except Exception as exc:  # any build or launch failure: the torch form computes the same bits
+        _FUSED_FAILURE.append(f"{type(exc).__name__}: {exc}")
+        warn_once(
+            ("dcomm.core.quantization", "fused kernels"),
+            f"the fused int8/fp8 Triton kernels failed ({_FUSED_FAILURE[0][:300]}); dcomm uses the torch "
+            "form from now on, with the same results and more kernels: install a triton that matches "
+            "your torch, or report this message",
+        )
+        return False
+    return True
 
 
 def fused_quantize_with_error(
@@ -309,8 +332,9 @@ def fused_quantize_with_error(
         or not _word_aligned_rows(out)
     ):
         return False
-    fused.quantize_with_error_into(values.view(-1), error, fmt, block_size, out, _MAX_CODE[fmt])
-    return True
+    return _launched(
+        lambda: fused.quantize_with_error_into(values.view(-1), error, fmt, block_size, out, _MAX_CODE[fmt])
+    )
 
 
 def fused_average_rows(
@@ -350,8 +374,7 @@ def fused_average_rows(
     fused = _fused_kernels(out.view(torch.float32), fmt, block_size)  # a float view: the kernels' dtype check
     if fused is None:
         return False
-    fused.average_rows_into(received, world, fmt, block_size, out, error, _MAX_CODE[fmt])
-    return True
+    return _launched(lambda: fused.average_rows_into(received, world, fmt, block_size, out, error, _MAX_CODE[fmt]))
 
 
 def _check_rows(cols: int, block_size: int) -> None:
@@ -395,8 +418,12 @@ def quantize_rows(rows: torch.Tensor, fmt: str, block_size: int = 256, out: torc
     elif out.dtype != torch.uint8 or tuple(out.shape) != shape:
         raise ValueError(f"out: expected uint8 of shape {shape}, got {tuple(out.shape)} of {out.dtype}")
     fused = _fused_kernels(rows, fmt, block_size)
-    if fused is not None and _word_aligned_rows(out):
-        return fused.quantize_rows_into(rows, fmt, block_size, out, _MAX_CODE[fmt])
+    if (
+        fused is not None
+        and _word_aligned_rows(out)
+        and _launched(lambda: fused.quantize_rows_into(rows, fmt, block_size, out, _MAX_CODE[fmt]))
+    ):
+        return out
     blocks = rows.to(torch.float32).unflatten(1, (cols // block_size, block_size))
     codes, scale_bytes = _split_rows(out, cols, fmt, block_size)
     scales = _float32_view(scale_bytes)
@@ -439,8 +466,7 @@ def dequantize_rows(
     target = out if out.shape == (n, cols) else out.view(n, cols)
     if packed.is_cuda and _word_aligned_rows(packed) and target.is_contiguous():
         fused = _fused_kernels(target, fmt, block_size)
-        if fused is not None:
-            fused.dequantize_rows_into(packed, fmt, cols, block_size, target)
+        if fused is not None and _launched(lambda: fused.dequantize_rows_into(packed, fmt, cols, block_size, target)):
             return out
     codes, scale_bytes = _split_rows(packed, cols, fmt, block_size)
     scales = _float32_view(scale_bytes)

@@ -166,7 +166,9 @@ class QuantizedAverage:
         ``tensor`` (contiguous, floating) receives the average. ``error`` (float32, ``numel`` or
         :meth:`padded_numel` values) is added to the input and then holds what this rank's
         encoding lost; ``shard_error`` (float32, :meth:`shard_numel` values, two-shot only) the
-        same for the re-encoded average of this rank's chunk. ``key`` (e.g. a bucket index)
+        same for the re-encoded average of this rank's chunk. Where a block is not finite (an
+        fp16 step that overflowed), the average is not finite there either and both memories
+        keep their previous values, so later steps are not poisoned. ``key`` (e.g. a bucket index)
         reuses that key's send and receive buffers while the size stays the same; an average
         must finish before its key begins again.
 
@@ -196,9 +198,12 @@ class QuantizedAverage:
             self._encode(flat, numel, buffers.send)
         elif not fused_quantize_with_error(flat, error, self.fmt, block, buffers.send):
             # Encode input plus carried error, in place in the memory; keep what encoding lost.
-            error[:numel].add_(flat)
+            carried = error[:numel]
+            previous = carried.clone()
+            carried.add_(flat)
             self._encode(error, numel, buffers.send)
-            error[:numel].sub_(self._decode(buffers.send).view(-1)[:numel])
+            carried.sub_(self._decode(buffers.send).view(-1)[:numel])
+            _keep_finite(carried, previous)
         pending._buffers = buffers
         pending.bytes_sent = quantized_average_bytes(numel, world, self.fmt, block, self.pattern)
         side = self._side_stream(tensor.device)
@@ -279,6 +284,14 @@ class QuantizedAverage:
         if stream is None:
             stream = self._streams[device] = torch.get_device_module(device).Stream(device=device)
         return stream
+
+
+def _keep_finite(memory: torch.Tensor, previous: torch.Tensor) -> None:
+    """Where the updated error ``memory`` is not finite (an overflowed step), put ``previous`` back.
+
+    One inf or NaN gradient would otherwise stay in the memory and poison every later step.
+    """
+    torch.where(torch.isfinite(memory), memory, previous, out=memory)
 
 
 def _check_memory(name: str, memory: torch.Tensor | None, sizes: tuple[int, ...], device: torch.device) -> None:
@@ -393,7 +406,9 @@ class PendingQuantizedAverage:
                     average.add_(shard_error)
                 averager._encode_rows(average.view(-1, block), buffers.row)
                 if shard_error is not None:
-                    torch.sub(average, averager._decode(buffers.row).view(-1), out=shard_error)
+                    updated = torch.sub(average, averager._decode(buffers.row).view(-1))
+                    _keep_finite(updated, shard_error)
+                    shard_error.copy_(updated)
             if shard_error is not None:
                 keep_until_stream_done(shard_error)
             keep_until_stream_done(buffers.received)

@@ -20,8 +20,10 @@ their bytes grow with the world size). Codes always travel as ``uint8``, so fp8 
 
 With :class:`QuantizedState` and ``error_feedback=True``, what each rounding lost (the local
 quantization on every rank, the re-quantization of the average on its owner) is added back at
-the next step, so the sum of the applied updates follows the sum of the exact averages.
-``state.bytes_sent`` counts the bytes this rank has sent.
+the next step, so the sum of the applied updates follows the sum of the exact averages. A step
+whose gradients overflowed (inf or NaN, as fp16 autocast with a ``GradScaler`` gives now and then)
+averages to inf or NaN where it overflowed, so the scaler skips it, and leaves the error memories
+as they were there. ``state.bytes_sent`` counts the bytes this rank has sent.
 
 Example::
 

@@ -192,6 +192,29 @@ def test_bit_identical_resume(hook_name: str) -> None:
     run_ranks(_resume, 3, hook_name, timeout=TIMEOUT)
 
 
+def _overflowed_step(rank: int, world: int, hook_name: str) -> None:
+    hook = getattr(dcomm.ddp, hook_name)
+    state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=1)
+    run = Run(hook, state)
+    for step in range(5):
+        run.ddp.zero_grad()
+        loss = run.ddp(batch(step)).square().mean()
+        if step == 2 and rank == 0:  # an fp16 step that overflowed on one rank
+            loss = loss * float("inf")
+        loss.backward()
+        finite = all(torch.isfinite(p.grad).all() for p in run.model.parameters())
+        assert finite == (step != 2), f"{hook_name}: step {step} averaged to finite={finite}"
+    memories = [*state.error_dict.values(), *state.q_memory_dict.values()]
+    assert memories, "compression never ran"
+    assert all(torch.isfinite(m).all() for m in memories), f"{hook_name}: the overflowed step poisoned a memory"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("hook_name", ["powerSGD_hook", "batched_powerSGD_hook"])
+def test_an_overflowed_step_leaves_later_steps_finite(hook_name: str) -> None:
+    run_ranks(_overflowed_step, 2, hook_name, timeout=TIMEOUT)
+
+
 def _start_at_zero_and_one(rank: int, world: int) -> None:
     # torch rejects start_powerSGD_iter <= 1 with error feedback; here it works, and memory
     # made before DDP's bucket rebuild is detected and restarted.

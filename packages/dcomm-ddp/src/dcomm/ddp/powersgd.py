@@ -14,6 +14,10 @@ torch's:
   bit-identically, into the state already registered with DDP;
 - ``start_powerSGD_iter`` may be 1 (or 0): memory made before DDP rebuilt its buckets is detected
   by the bucket's layout and started afresh instead of being applied to the wrong gradients;
+- a step that overflowed (an inf or NaN gradient on any rank, as fp16 with a ``GradScaler``
+  gives now and then) still averages to NaN, so the scaler skips it, but leaves the memories
+  finite: the error restarts from zero and a warm-started ``Q`` keeps its value (torch's turn NaN,
+  and so does every later step);
 - no ``torch.cuda.synchronize``: temporaries are tied to the streams that use them;
 - no numpy; runs on gloo and NCCL.
 
@@ -427,6 +431,7 @@ def _compress_matrices(state: PowerSGDState, bucket: dist.GradBucket) -> torch.f
     else:
         for q in qs:
             _orthogonalize(q, state.orthogonalization_epsilon)
+    q_start = _q_backup(state, q_memory)
     for batch, p, q in zip(batches, ps, qs, strict=True):
         torch.bmm(batch, q, out=p)
 
@@ -453,7 +458,7 @@ def _compress_matrices(state: PowerSGDState, bucket: dist.GradBucket) -> torch.f
             if batch.shape[0] > 1:  # a stacked copy: write each matrix back into the bucket
                 for i, matrix in enumerate(split.by_shape[batch.shape[1:]]):
                     matrix.copy_(batch[i])
-        _finish(state, index, buffer, before, p_memory, q_memory)
+        _finish(state, index, buffer, before, q_memory, q_start, p_memory)
         state.maybe_increase_iter(bucket)
         return buffer
 
@@ -476,19 +481,35 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     return _run("powerSGD_hook", _compress_matrices, state, bucket)
 
 
+def _q_backup(state: PowerSGDState, q: torch.Tensor) -> torch.Tensor | None:
+    """With warm start, a copy of this step's starting Q (small), restored if the step overflows."""
+    return q.clone() if state.warm_start else None
+
+
 def _finish(
-    state: PowerSGDState, index: int, result: torch.Tensor, before: torch.Tensor | None, *used: torch.Tensor
+    state: PowerSGDState,
+    index: int,
+    result: torch.Tensor,
+    before: torch.Tensor | None,
+    q: torch.Tensor,
+    q_start: torch.Tensor | None,
+    *used: torch.Tensor,
 ) -> None:
     """Keep the compression error (error feedback) and drop P/Q without warm start.
 
     ``before`` is the bucket's error memory from :meth:`PowerSGDState._add_error`; ``used`` were
     made in the hook and used here, maybe on another stream: their memory is kept from reuse
-    until this stream is done with them.
+    until this stream is done with them. A step that overflowed (an inf or NaN in the bucket on
+    any rank: its average is then not finite either, so a ``GradScaler`` skips it) would leave
+    NaN in the memories and every later step NaN (torch's hooks do): there, the error restarts
+    from zero and the warm-started Q keeps ``q_start``, its value at the step's start.
     """
-    for tensor in used:
+    for tensor in (q, *used):
         keep_until_stream_done(tensor)
     if before is not None:  # the error memory, holding the input plus the carried error
-        state.error_dict[index] = before.sub_(result)
+        state.error_dict[index] = before.sub_(result).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    if q_start is not None:
+        torch.where(torch.isfinite(q), q, q_start, out=q)
     if not state.warm_start:
         state.p_memory_dict.clear()
         state.q_memory_dict.clear()
@@ -523,6 +544,7 @@ def _compress_bucket(state: PowerSGDState, bucket: dist.GradBucket) -> torch.fut
     assert p is not None
     assert q is not None
     _orthogonalize(q.unsqueeze(0), state.orthogonalization_epsilon)
+    q_start = _q_backup(state, q)
     torch.matmul(matrix, q, out=p)
 
     def launch_p() -> torch.futures.Future:
@@ -534,7 +556,7 @@ def _compress_bucket(state: PowerSGDState, bucket: dist.GradBucket) -> torch.fut
         _allreduce_and_wait(q, group)
         q.div_(world)
         torch.matmul(p, q.t(), out=matrix)
-        _finish(state, index, square, before, square, p, q)
+        _finish(state, index, square, before, q, q_start, square, p)
         buffer.copy_(square[:numel])
         state.maybe_increase_iter(bucket)
         return buffer

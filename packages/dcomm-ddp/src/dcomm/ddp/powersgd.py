@@ -504,8 +504,9 @@ def _finish(
     NaN in the memories and every later step NaN (torch's hooks do): there, the error restarts
     from zero and the warm-started Q keeps ``q_start``, its value at the step's start.
     """
-    for tensor in (q, *used):
-        keep_until_stream_done(tensor)
+    for tensor in (q, q_start, *used):
+        if tensor is not None:
+            keep_until_stream_done(tensor)
     if before is not None:  # the error memory, holding the input plus the carried error
         state.error_dict[index] = before.sub_(result).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     if q_start is not None:

@@ -18,6 +18,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["average_rows_into", "dequantize_rows_into", "quantize_rows_into", "quantize_with_error_into", "usable"]
@@ -58,6 +60,20 @@ if triton is not None:
         return scale, small
 
     @triton.jit
+    def _code_values(raw, FP8: tl.constexpr):  # type: ignore[no-untyped-def]
+        """The float32 values of uint8 code bytes (int8 or fp8 e4m3), before their scale."""
+        if FP8:
+            values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            values = raw.to(tl.int8, bitcast=True).to(tl.float32)
+        return values
+
+    @triton.jit
+    def _finite_or(updated, previous):  # type: ignore[no-untyped-def]
+        """``updated`` where finite, else ``previous``: an overflowed block keeps its carried error."""
+        return tl.where(tl.abs(updated) <= 3.4028234663852886e38, updated, previous)  # False for NaN, inf
+
+    @triton.jit
     def _quantize(  # type: ignore[no-untyped-def]
         x_ptr, codes_ptr, scales_ptr, n_blocks, blocks_per_row, cols, row_bytes, row_words,
         LIMIT: tl.constexpr, INV_LIMIT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
@@ -91,10 +107,7 @@ if triton is not None:
         tl.store(scales_ptr + row.to(tl.int64) * row_words + BLOCK // 4 + block, scale, mask=valid)
         # mul_rn: the product rounds on its own, as the separate decoding does (no fused multiply-add).
         product = libdevice.mul_rn(decoded, tl.broadcast_to(scale[:, None], decoded.shape))
-        updated = source - product
-        # A block that was not finite (an overflowed step) leaves its carried error as it was.
-        finite = tl.abs(updated) <= 3.4028234663852886e38  # False for NaN and infinities
-        tl.store(error_ptr + flat, tl.where(finite, updated, error), mask=inside)
+        tl.store(error_ptr + flat, _finite_or(source - product, error), mask=inside)
 
     @triton.jit
     def _average_rows(  # type: ignore[no-untyped-def]
@@ -109,10 +122,7 @@ if triton is not None:
         for w in range(0, world):
             source = (w * n_rows + row).to(tl.int64)
             raw = tl.load(received_ptr + source[:, None] * row_bytes + column, mask=valid[:, None], other=0)
-            if FP8:
-                values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            else:
-                values = raw.to(tl.int8, bitcast=True).to(tl.float32)
+            values = _code_values(raw, FP8)
             scale = tl.load(received_words_ptr + source * row_words + BLOCK // 4, mask=valid, other=1.0)
             # mul_rn: each decoded value rounds on its own before the sum (no fused multiply-add).
             total += libdevice.mul_rn(values, tl.broadcast_to(scale[:, None], values.shape))
@@ -131,9 +141,7 @@ if triton is not None:
         tl.store(row_words_ptr + row.to(tl.int64) * row_words + BLOCK // 4, scale, mask=valid)
         if ERROR:
             decoded = libdevice.mul_rn(small.to(tl.float32), tl.broadcast_to(scale[:, None], average.shape))
-            updated = average - decoded
-            finite = tl.abs(updated) <= 3.4028234663852886e38  # a block that was not finite keeps its error
-            tl.store(error_ptr + flat, tl.where(finite, updated, carried), mask=valid[:, None])
+            tl.store(error_ptr + flat, _finite_or(average - decoded, carried), mask=valid[:, None])
 
     @triton.jit
     def _dequantize(  # type: ignore[no-untyped-def]
@@ -142,10 +150,7 @@ if triton is not None:
     ):  # fmt: skip
         valid, row, block, column = _blocks_of_program(n_blocks, blocks_per_row, BLOCK, GROUP)
         raw = tl.load(codes_ptr + row[:, None].to(tl.int64) * row_bytes + column, mask=valid[:, None], other=0)
-        if FP8:
-            values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:
-            values = raw.to(tl.int8, bitcast=True).to(tl.float32)
+        values = _code_values(raw, FP8)
         scale = tl.load(scales_ptr + row.to(tl.int64) * row_words + cols // 4 + block, mask=valid, other=1.0)
         out = (values * scale[:, None]).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row[:, None].to(tl.int64) * cols + column, out, mask=valid[:, None])
@@ -158,6 +163,12 @@ def usable(tensor: torch.Tensor, fmt: str, block_size: int) -> bool:
     """
     power_of_two = block_size >= 4 and block_size & (block_size - 1) == 0
     return tensor.is_cuda and fmt in _FORMATS and tensor.dtype in _FLOATS and power_of_two and triton is not None
+
+
+@functools.cache
+def _float32_reciprocal(n: int) -> float:
+    """``1 / n`` rounded to float32, as torch's CUDA division by a scalar multiplies by it."""
+    return (torch.tensor(1.0, dtype=torch.float32) / n).item()
 
 
 def _grid(n_blocks: int) -> tuple[int]:
@@ -218,11 +229,10 @@ def average_rows_into(
     """
     n_rows = out.shape[0]
     row_bytes = out.stride(0)
-    inv_world = (torch.tensor(1.0, dtype=torch.float32) / world).item()
     _average_rows[_grid(n_rows)](
         received, received.view(torch.float32), out if error is None else error, out, out.view(torch.float32),
         n_rows, world, row_bytes, row_bytes // 4,
-        INV_WORLD=inv_world, LIMIT=limit, INV_LIMIT=1.0 / limit, BLOCK=block_size, GROUP=_GROUP,
+        INV_WORLD=_float32_reciprocal(world), LIMIT=limit, INV_LIMIT=1.0 / limit, BLOCK=block_size, GROUP=_GROUP,
         FP8=fmt == "fp8", ERROR=error is not None,
     )  # fmt: skip
 

@@ -203,7 +203,7 @@ class QuantizedAverage:
             carried.add_(flat)
             self._encode(error, numel, buffers.send)
             carried.sub_(self._decode(buffers.send).view(-1)[:numel])
-            _keep_finite(carried, previous)
+            _update_error(carried, carried, previous)
         pending._buffers = buffers
         pending.bytes_sent = quantized_average_bytes(numel, world, self.fmt, block, self.pattern)
         side = self._side_stream(tensor.device)
@@ -286,12 +286,13 @@ class QuantizedAverage:
         return stream
 
 
-def _keep_finite(memory: torch.Tensor, previous: torch.Tensor) -> None:
-    """Where the updated error ``memory`` is not finite (an overflowed step), put ``previous`` back.
+def _update_error(memory: torch.Tensor, updated: torch.Tensor, previous: torch.Tensor) -> None:
+    """Write ``updated`` into the error ``memory`` where it is finite, ``previous`` elsewhere.
 
-    One inf or NaN gradient would otherwise stay in the memory and poison every later step.
+    An overflowed step (inf or NaN) thus keeps the carried error instead of poisoning every later
+    step. ``updated`` or ``previous`` may be ``memory`` itself.
     """
-    torch.where(torch.isfinite(memory), memory, previous, out=memory)
+    torch.where(torch.isfinite(updated), updated, previous, out=memory)
 
 
 def _check_memory(name: str, memory: torch.Tensor | None, sizes: tuple[int, ...], device: torch.device) -> None:
@@ -407,8 +408,7 @@ class PendingQuantizedAverage:
                 averager._encode_rows(average.view(-1, block), buffers.row)
                 if shard_error is not None:
                     updated = torch.sub(average, averager._decode(buffers.row).view(-1))
-                    _keep_finite(updated, shard_error)
-                    shard_error.copy_(updated)
+                    _update_error(shard_error, updated, shard_error)
             if shard_error is not None:
                 keep_until_stream_done(shard_error)
             keep_until_stream_done(buffers.received)

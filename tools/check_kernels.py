@@ -19,7 +19,7 @@ from typing import Any
 __all__ = ["builds", "main"]
 
 TARGET = ("cuda", 90, 32)  # H100 / H200
-POINTERS = {"codes_ptr": "*u8", "received_ptr": "*u8", "row_ptr": "*u8", "raw_ptr": "*u8"}
+POINTERS = {"codes_ptr": "*u8", "received_ptr": "*u8", "row_ptr": "*u8"}  # the others point to float32
 
 
 def _signature(kernel: Any, constants: dict[str, Any]) -> dict[str, str]:

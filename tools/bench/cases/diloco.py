@@ -33,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import weakref
@@ -218,24 +219,19 @@ def build_torchft(ctx: Context, quantize: bool = False) -> Variant:
 
 
 def diloco_case(ctx: Context) -> Case:
-    variants: dict[str, Callable[[], Variant]] = {
-        "ddp adamw": lambda: build_ddp_adamw(ctx),
-        "dcomm diloco": lambda: build_dcomm(ctx),
-    }
-    details: dict[str, Any] = {"H": SYNC_EVERY}
+    variants: dict[str, Callable[[], Variant]] = {"ddp adamw": lambda: build_ddp_adamw(ctx)}
+    pairs: list[Pair] = []
     missing = ctx.bench.agree(torchft_missing())  # every rank builds the same variants
-    if ctx.bench.is_cuda:  # torchft quantizes only on CUDA: compressed runs are compared there
-        variants["dcomm diloco fp8"] = lambda: build_dcomm(ctx, compression="fp8")
-    if missing:
-        details["torchft"] = missing
-        pairs = [Pair("diloco", "dcomm diloco", "ddp adamw", "dcomm/reference")]
-        if ctx.bench.is_cuda:
-            pairs.append(Pair("diloco/fp8", "dcomm diloco fp8", "ddp adamw", "dcomm/reference"))
-    else:
-        details["torchft"] = _torchft_version()
-        variants["torchft diloco"] = lambda: build_torchft(ctx)
-        pairs = impl_pairs("diloco", "dcomm diloco", "torchft diloco", "ddp adamw")
-        if ctx.bench.is_cuda:
-            variants["torchft diloco fp8"] = lambda: build_torchft(ctx, quantize=True)
-            pairs += impl_pairs("diloco/fp8", "dcomm diloco fp8", "torchft diloco fp8", "ddp adamw")
+    details: dict[str, Any] = {"H": SYNC_EVERY, "torchft": missing or _torchft_version()}
+    # (row, variant suffix, dcomm's compression); torchft quantizes only on CUDA, so the
+    # compressed pseudo-gradients are compared there.
+    runs = [("diloco", "", None)] + ([("diloco/fp8", " fp8", "fp8")] if ctx.bench.is_cuda else [])
+    for label, suffix, compression in runs:
+        dcomm, torchft = f"dcomm diloco{suffix}", f"torchft diloco{suffix}"
+        variants[dcomm] = functools.partial(build_dcomm, ctx, compression)
+        if missing:
+            pairs.append(Pair(label, dcomm, "ddp adamw", "dcomm/reference"))
+        else:
+            variants[torchft] = functools.partial(build_torchft, ctx, compression is not None)
+            pairs += impl_pairs(label, dcomm, torchft, "ddp adamw")
     return Case("diloco", variants, pairs, steps_per_round=SYNC_EVERY, warmup_steps=SYNC_EVERY, details=details)

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tools.bench.diloco_overlap import Setting, parse_setting, step_kinds, summarize
+from tools.bench.diloco_overlap import Run, Setting, parse_setting, slowest_rank_view, step_kinds, summarize
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -56,6 +56,12 @@ def test_two_gloo_ranks_find_every_sync_step_kind_and_write_the_json(tmp_path: p
         assert result["slowest rank"] in (0, 1), label
         assert len(result["rank totals ms"]) == 2, label
         assert result["bytes/inner step"] > 0, label
+        view = result["slowest rank view"]
+        assert view["rank"] == result["slowest rank"], label
+        assert view["worst kind"] in kinds, label
+        low, high = view["sync/plain 95%"]
+        assert 0 < low <= view["sync/plain"] <= high, label
+        assert view["throughput ratio"] > 0 and view["run/own plain"] > 0, label
     fp32, int8 = (results[label]["bytes/inner step"] for label in expected)
     assert fp32 / 5 < int8 < fp32 / 3  # int8 codes plus scales: about a quarter of fp32's bytes
 
@@ -95,3 +101,16 @@ def test_summary_medians_and_the_worst_kind_over_plain() -> None:
     assert out["slowest sync step/plain"] == 3.0
     assert out["throughput ratio"] == round(10.0 / (6 * 0.5), 4)
     assert "worst kind" not in summarize([1.0], ["plain"], None)
+
+
+def test_the_slowest_rank_view_leaves_out_a_faster_rank_waiting_at_its_apply() -> None:
+    # Rank 0 is faster (0.9 per plain step) and waits 0.5 at its apply for rank 1 to launch the sync;
+    # rank 1 sets the pace (1.0 per plain step, its apply costs 0.05 more) and never waits.
+    kinds = ["plain", "launch", "plain", "apply", "plain"]
+    run = Run([[0.9, 0.9, 0.9, 1.4, 0.9], [1.0, 1.0, 1.0, 1.05, 1.0]], kinds)
+    assert run.slowest_rank == 1
+    assert run.times_s == [1.0, 1.0, 1.0, 1.4, 1.0]
+    assert summarize(run.times_s, kinds, 1.0)["sync/plain"] == 1.4  # each step's slowest rank: the wait shows
+    view = slowest_rank_view(run, Run([[0.9] * 5, [1.0] * 5], ["plain"] * 5))
+    assert (view["rank"], view["worst kind"], view["sync/plain"]) == (1, "apply", 1.05)
+    assert view["throughput ratio"] == view["run/own plain"] == 1.01

@@ -499,7 +499,8 @@ def result_line(label: str, result: dict[str, Any]) -> str:
         low, high = view["sync/plain 95%"]
         parts.append(
             f"slowest rank {view['rank']}: worst/plain {view['sync/plain']:.3f} [{low:.3f}, {high:.3f}] "
-            f"({view['worst kind']}), run/baseline {view['throughput ratio']:.3f}, run/own plain {view['run/own plain']:.3f}"
+            f"({view['worst kind']}), run/baseline {view['throughput ratio']:.3f}, "
+            f"run/own plain {view['run/own plain']:.3f}"
         )
     if "bytes/inner step" in result:
         parts.append(f"{result['bytes/inner step'] / 2**20:.3f} MiB/step")

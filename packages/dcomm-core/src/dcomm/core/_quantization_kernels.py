@@ -76,8 +76,7 @@ if triton is not None:
     @triton.jit
     def _quantize(  # type: ignore[no-untyped-def]
         x_ptr, codes_ptr, scales_ptr, n_blocks, blocks_per_row, cols, row_bytes, row_words,
-        LIMIT: tl.constexpr, INV_LIMIT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-        FP8: tl.constexpr,
+        LIMIT: tl.constexpr, INV_LIMIT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
     ):  # fmt: skip
         valid, row, block, column = _blocks_of_program(n_blocks, blocks_per_row, BLOCK, GROUP)
         x = tl.load(x_ptr + row[:, None].to(tl.int64) * cols + column, mask=valid[:, None], other=0.0)
@@ -89,8 +88,7 @@ if triton is not None:
     @triton.jit
     def _quantize_with_error(  # type: ignore[no-untyped-def]
         x_ptr, error_ptr, codes_ptr, scales_ptr, numel, n_blocks, row_bytes, row_words,
-        LIMIT: tl.constexpr, INV_LIMIT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-        FP8: tl.constexpr,
+        LIMIT: tl.constexpr, INV_LIMIT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
     ):  # fmt: skip
         # One block per row. source = error + x over the first numel values (the error alone
         # past them); codes and scales of source; error = source - decoded codes there.

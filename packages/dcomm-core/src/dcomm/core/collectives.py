@@ -260,13 +260,9 @@ def _divided_in_place(fut: torch.futures.Future, tensor: torch.Tensor, postdivid
 
 
 def allreduce_future(
-    tensor: torch.Tensor,
-    group: dist.ProcessGroup | None = None,
-    *,
-    predivide: float = 1.0,
-    postdivide: float = 1.0,
-    op: Any = dist.ReduceOp.SUM,
-) -> torch.futures.Future[torch.Tensor]:
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+    predivide: float = 1.0, postdivide: float = 1.0, op: Any = dist.ReduceOp.SUM,
+) -> torch.futures.Future[torch.Tensor]:  # fmt: skip
     """Reduce ``tensor`` in place over ``group`` (``op``, a sum by default); return a future of ``tensor``.
 
     ``tensor`` is divided by ``predivide`` before the sum and by ``postdivide`` after it (each
@@ -286,14 +282,9 @@ def allreduce_future(
 
 
 def reduce_scatter_future(
-    output: torch.Tensor,
-    tensor: torch.Tensor,
-    group: dist.ProcessGroup | None = None,
-    *,
-    predivide: float = 1.0,
-    postdivide: float = 1.0,
-    op: Any = dist.ReduceOp.SUM,
-) -> torch.futures.Future[torch.Tensor]:
+    output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+    predivide: float = 1.0, postdivide: float = 1.0, op: Any = dist.ReduceOp.SUM,
+) -> torch.futures.Future[torch.Tensor]:  # fmt: skip
     """Reduce-scatter ``tensor`` (the full, flat input) into ``output`` (this rank's shard).
 
     ``tensor.numel()`` must be ``output.numel() * world_size``. ``tensor`` is divided in place by

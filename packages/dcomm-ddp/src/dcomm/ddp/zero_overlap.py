@@ -241,15 +241,9 @@ def fallback_count(hook: Callable[..., Any]) -> int:
 
 
 def hook_with_zero_step(
-    hook: Callable[[Any, dist.GradBucket], torch.futures.Future],
-    ddp: DistributedDataParallel,
-    zero: ZeroRedundancyOptimizer,
-    shard_buckets: bool = False,
-    *,
-    reduce_scatter: bool = False,
-    step_mode: StepMode = "auto",
-    gather_during_forward: bool = False,
-) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
+    hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer, shard_buckets: bool = False, *,
+    reduce_scatter: bool = False, step_mode: StepMode = "auto", gather_during_forward: bool = False,
+) -> Hook:  # fmt: skip
     """Wrap ``hook`` so that ``zero`` steps once the last bucket's gradients are in flight.
 
     When DDP hands over its last bucket, every bucket is updated in order: this rank waits for
@@ -307,15 +301,9 @@ def hook_with_zero_step(
 
 
 def hook_with_zero_step_interleaved(
-    hook: Callable[[Any, dist.GradBucket], torch.futures.Future],
-    ddp: DistributedDataParallel,
-    zero: ZeroRedundancyOptimizer,
-    shard_buckets: bool = False,
-    *,
-    reduce_scatter: bool = False,
-    step_mode: StepMode = "auto",
-    gather_during_forward: bool = False,
-) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
+    hook: Hook, ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer, shard_buckets: bool = False, *,
+    reduce_scatter: bool = False, step_mode: StepMode = "auto", gather_during_forward: bool = False,
+) -> Hook:  # fmt: skip
     """Wrap ``hook`` so that ``zero`` steps bucket by bucket while backward still runs.
 
     Each bucket is updated when DDP hands over the next one: its step and parameter broadcast

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -48,8 +49,9 @@ SIZE_TIERS = ("large", "large-slow", "small")
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+def _batch_generator() -> torch.Generator:
+    """A CPU generator seeded by this rank: each rank its own batch, the same one every run."""
+    return torch.Generator().manual_seed(1000 + (dist.get_rank() if dist.is_initialized() else 0))
 
 
 def set_tf32(enabled: bool) -> None:
@@ -79,10 +81,8 @@ class MLPWorkload:
     depth: int
     batch: int
 
-    @property
-    def unit_types(self) -> tuple[type[nn.Module], ...]:
-        """Module types that FSDP wraps (or ``fully_shard`` shards) as one unit each."""
-        return (nn.Linear,)
+    unit_types: ClassVar[tuple[type[nn.Module], ...]] = (nn.Linear,)
+    """Module types that FSDP wraps (or ``fully_shard`` shards) as one unit each."""
 
     @property
     def parameters(self) -> int:
@@ -98,7 +98,7 @@ class MLPWorkload:
         return nn.Sequential(*layers)
 
     def make_batch(self, device: torch.device) -> Batch:
-        generator = torch.Generator().manual_seed(1000 + _rank())
+        generator = _batch_generator()
         inputs = torch.randn(self.batch, self.width, generator=generator).to(device)
         return inputs, inputs
 
@@ -159,9 +159,7 @@ class TransformerWorkload:
     heads: int
     batch: int
 
-    @property
-    def unit_types(self) -> tuple[type[nn.Module], ...]:
-        return (Block,)
+    unit_types: ClassVar[tuple[type[nn.Module], ...]] = (Block,)
 
     @property
     def parameters(self) -> int:
@@ -173,7 +171,7 @@ class TransformerWorkload:
         return GPT(self.vocab, self.tokens, self.width, self.layers, self.heads, device)
 
     def make_batch(self, device: torch.device) -> Batch:
-        generator = torch.Generator().manual_seed(1000 + _rank())
+        generator = _batch_generator()
         ids = torch.randint(self.vocab, (self.batch, self.tokens + 1), generator=generator).to(device)
         return ids[:, :-1], ids[:, 1:]
 
@@ -214,9 +212,7 @@ class CNNWorkload:
     classes: int
     batch: int
 
-    @property
-    def unit_types(self) -> tuple[type[nn.Module], ...]:
-        return (ResidualBlock,)
+    unit_types: ClassVar[tuple[type[nn.Module], ...]] = (ResidualBlock,)
 
     @property
     def parameters(self) -> int:
@@ -240,7 +236,7 @@ class CNNWorkload:
         return nn.Sequential(*layers)
 
     def make_batch(self, device: torch.device) -> Batch:
-        generator = torch.Generator().manual_seed(1000 + _rank())
+        generator = _batch_generator()
         images = torch.randn(self.batch, 3, self.image, self.image, generator=generator).to(device)
         labels = torch.randint(self.classes, (self.batch,), generator=generator).to(device)
         return images, labels

@@ -189,6 +189,7 @@ def test_results_rows_table_and_chart_points_from_json(tmp_path: pathlib.Path) -
     assert rows[0].milliseconds == {"dcomm fp16": 9.0, "torch fp16": 10.0, "builtin": 7.5}
     markdown = table(run).splitlines()
     assert markdown[0] == "**4x NVIDIA H100, fast link, torch 2.11.0, 2026-11-26 07:00 UTC**"
+    assert table({**run, "code": "31cb92c"}).splitlines()[0].endswith("07:00 UTC, dcomm 31cb92c**")  # an A/B of commits
     assert markdown[4] == (
         "| ddp/fp16 | transformer | tf32 | 0.90 (0.85-0.95) | 1.20 (1.15-1.25) vs builtin | 9.00 | 10.00 | 3 | 3 |"
     )

@@ -51,9 +51,14 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 def setup_of(run: dict[str, Any]) -> str:
-    """``4x NVIDIA H100 80GB HBM3, fast link, torch 2.11.0, 2026-11-26 07:00 UTC``: runs of a day apart."""
+    """``4x NVIDIA H100 80GB HBM3, fast link, torch 2.11.0, 2026-11-26 07:00 UTC``: runs of a day apart.
+
+    A run that names the dcomm code it measured (``"code"``, e.g. in an A/B of two commits) ends
+    with it: ``..., 07:00 UTC, dcomm 31cb92c``.
+    """
     when = run["date"][:16].replace("T", " ")
-    return f"{run['world_size']}x {run['device']}, {run['link']} link, torch {run['torch']}, {when} UTC"
+    setup = f"{run['world_size']}x {run['device']}, {run['link']} link, torch {run['torch']}, {when} UTC"
+    return f"{setup}, dcomm {run['code']}" if run.get("code") else setup
 
 
 def _ratio(pair: dict[str, Any]) -> Ratio:

@@ -348,3 +348,40 @@ def _static_graph_first_iteration(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_static_graph_first_iteration_does_not_mix_buckets(world: int) -> None:
     run_ranks(_static_graph_first_iteration, world)
+
+
+class _Vector(nn.Module):
+    """One parameter of ``numel`` values whose gradient is the batch itself: DDP's only bucket."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(numel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.weight * x).sum()
+
+
+def _bucket_smaller_than_rank_squared(rank: int, world: int) -> None:
+    # A bucket of fewer than rank**2 values is a square of side < rank: its factors have at
+    # most ``side`` independent columns, so the approximation is the whole (exact) average.
+    for numel, rank_r in ((1, 2), (1, 4), (3, 3), (3, 4)):
+        state = PowerSGDState(None, matrix_approximation_rank=rank_r, start_powerSGD_iter=0)
+        model = _Vector(numel)
+        ddp = DDP(model)
+        ddp.register_comm_hook(state, batched_powerSGD_hook)
+        local = torch.randn(numel, generator=torch.Generator().manual_seed(rank + 1))
+        ddp(local).backward()
+        grads = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(grads, local)
+        exact = sum(g.double() for g in grads) / world
+        got = model.weight.grad
+        assert got is not None
+        what = f"{numel} values at matrix_approximation_rank={rank_r}"
+        assert torch.isfinite(got).all(), f"{what}: averaged to {got.tolist()}"
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-6, msg=lambda m, w=what: f"{w}: {m}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_batched_powersgd_of_a_bucket_smaller_than_rank_squared(world: int) -> None:
+    run_ranks(_bucket_smaller_than_rank_squared, world, timeout=TIMEOUT)

@@ -523,7 +523,9 @@ def _compress_bucket(state: PowerSGDState, bucket: dist.GradBucket) -> torch.fut
     group = state.process_group  # not held by the callbacks (see _compress_matrices)
     world = resolve_group(group).size()
     side = math.ceil(math.sqrt(numel))
-    rank = state.matrix_approximation_rank
+    # A square of side < r has at most ``side`` independent columns: more would make Q's columns
+    # dependent (Gram-Schmidt divides 0 by 0) or give QR the wrong shapes.
+    rank = min(side, state.matrix_approximation_rank)
     state.total_numel_before_compression += numel
     state.total_numel_after_compression += side * rank * 2
     _report_stats(state, bucket)
@@ -572,7 +574,8 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torc
     ``ceil(sqrt(numel))`` and compressed at once (two allreduces per bucket). Cheaper than
     :func:`powerSGD_hook` and less accurate; ``min_compression_rate`` and
     ``batch_tensors_with_same_shape`` do not apply. Unlike torch's it never resizes the bucket
-    and needs no ``cuda.synchronize``.
+    and needs no ``cuda.synchronize``, and a bucket of side smaller than the rank (fewer than
+    ``rank ** 2`` values) uses rank ``side``, which is exact (torch's raises an ``AssertionError``).
 
     Example::
 

@@ -385,3 +385,42 @@ def _bucket_smaller_than_rank_squared(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_batched_powersgd_of_a_bucket_smaller_than_rank_squared(world: int) -> None:
     run_ranks(_bucket_smaller_than_rank_squared, world, timeout=TIMEOUT)
+
+
+class _Scaled(nn.Module):
+    """A Linear times a 0-dim parameter (CLIP's ``logit_scale``, a learned temperature)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(16, 16)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+def _zero_dim_parameter(rank: int, world: int) -> None:
+    for batch_same_shape in (False, True):
+        model = _Scaled()
+        local = copy.deepcopy(model)
+        ddp = DDP(model)
+        config = {"matrix_approximation_rank": 1, "batch_tensors_with_same_shape": batch_same_shape}
+        state = PowerSGDState(None, start_powerSGD_iter=0, **config)
+        ddp.register_comm_hook(state, powerSGD_hook)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+        ddp(x).square().sum().backward()
+        local(x).square().sum().backward()
+        assert local.scale.grad is not None
+        assert model.scale.grad is not None
+        grads = [torch.empty_like(local.scale.grad) for _ in range(world)]
+        dist.all_gather(grads, local.scale.grad)
+        # The 0-dim gradient is too small to compress: it is averaged exactly.
+        assert_close([model.scale.grad], [sum(grads) / world], 1e-6, f"0-dim parameter ({config})")
+        assert state.p_memory_dict, "the Linear weight was not compressed"
+        assert_same_on_ranks([p.grad for p in model.parameters()], f"gradients ({config})")
+
+
+@pytest.mark.timeout(300)
+def test_powersgd_with_a_zero_dim_parameter() -> None:
+    run_ranks(_zero_dim_parameter, 2, timeout=TIMEOUT)

@@ -338,7 +338,8 @@ class _Split:
         self.uncompressed: list[torch.Tensor] = []
         self.p_numel = self.q_numel = 0
         for tensor in gradients:
-            matrix = tensor.view(tensor.shape[0], -1)
+            # A 0-dim gradient (a learned scalar, e.g. CLIP's logit_scale) is a 1 x 1 matrix; torch's raises.
+            matrix = tensor.view(tensor.shape[0] if tensor.dim() else 1, -1)
             n, m = matrix.shape
             rank = min(n, m, state.matrix_approximation_rank)
             state.total_numel_before_compression += n * m

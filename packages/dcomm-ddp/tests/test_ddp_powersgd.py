@@ -76,6 +76,9 @@ CONFIGS = [
 
 
 def _parity(rank: int, world: int) -> None:
+    # On a machine with a GPU, torch's powerSGD_hook calls torch.cuda.synchronize(device) with these
+    # CPU tensors' device and raises; the reference runs as on a CPU-only machine.
+    torch.cuda.is_available = lambda: False  # this rank's process only
     for config in CONFIGS:
         torch_state = torch_powersgd.PowerSGDState(None, start_powerSGD_iter=2, **config)
         ref = Run(torch_powersgd.powerSGD_hook, torch_state).train(STEPS)

@@ -14,7 +14,15 @@ import sys
 
 import pytest
 
-from tools.bench.diloco_overlap import Run, Setting, parse_setting, slowest_rank_view, step_kinds, summarize
+from tools.bench.diloco_overlap import (
+    Run,
+    Setting,
+    least_waiting_view,
+    parse_setting,
+    slowest_rank_view,
+    step_kinds,
+    summarize,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -63,6 +71,11 @@ def test_two_gloo_ranks_find_every_sync_step_kind_and_write_the_json(tmp_path: p
         assert 0 < low <= view["sync/plain"] <= high, label
         assert view["throughput ratio"] > 0, label
         assert view["run/own plain"] > 0, label
+        least = result["least waiting rank view"]
+        assert least["worst kind"] in kinds, label
+        low, high = least["sync/plain 95%"]
+        assert 0 < low <= least["sync/plain"] <= high, label
+        assert [len(times) for times in result["rank step ms"]] == [8, 8], label
     fp32, int8 = (results[label]["bytes/inner step"] for label in expected)
     assert fp32 / 5 < int8 < fp32 / 3  # int8 codes plus scales: about a quarter of fp32's bytes
 
@@ -115,3 +128,12 @@ def test_the_slowest_rank_view_leaves_out_a_faster_rank_waiting_at_its_apply() -
     view = slowest_rank_view(run, Run([[0.9] * 5, [1.0] * 5], ["plain"] * 5))
     assert (view["rank"], view["worst kind"], view["sync/plain"]) == (1, "apply", 1.05)
     assert view["throughput ratio"] == view["run/own plain"] == 1.01
+
+
+def test_the_least_waiting_view_keeps_the_syncs_own_cost_whichever_rank_waits() -> None:
+    # Two syncs: rank 0 waits 0.5 at the first, rank 1 at the second; each apply costs 0.05 more
+    # on the rank that launched last. The slowest rank (by total) waited once; the minimum did not.
+    kinds = ["plain", "apply", "plain", "apply", "plain"]
+    run = Run([[1.0, 1.55, 1.0, 1.05, 1.0], [1.0, 1.05, 1.0, 1.6, 1.0]], kinds)
+    assert least_waiting_view(run)["sync/plain"] == 1.05
+    assert slowest_rank_view(run, Run([[1.0], [1.0]], ["plain"]))["sync/plain"] == 1.325  # median of 1.05, 1.6

@@ -18,12 +18,14 @@ kind's median over the plain median (the goal: at most 1.10 with ``F >= 2`` and 
 a 95% bootstrap interval, the run's throughput against the baseline (its time over the timed steps
 times the baseline's median step), bytes per inner step, and the slowest rank.
 
-Two views of the same steps. ``slowest rank``: the steps of the rank with the largest total, the
-one that sets the job's pace (between syncs the ranks do not wait for each other, so they drift
-apart; the rank that reaches a sync last never waits for a peer there). This is the goal's
-figure. ``each step's slowest rank``: every step's maximum over the ranks; a faster rank's apply
-step also holds the time it waits for the slowest rank to launch the same sync, which is drift,
-not communication, so this view is an upper bound. A link probe (an fp32 allreduce) estimates how many plain steps one
+Three views of the same steps. Between syncs the ranks do not wait for each other, so they drift
+apart, and at a sync the ranks that arrive first wait for the last one to launch it: a
+straggler's wait, not communication. ``least waiting rank``: every step on the rank that waited
+least (its time over its own plain median, the minimum over the ranks; the last rank to launch a
+sync never waits), which isolates what the sync itself costs. ``slowest rank``: the steps of the
+rank with the largest total, the one that sets the job's pace, with its throughput. ``each
+step's slowest rank``: every step's maximum over the ranks, which charges every wait to the sync
+steps: an upper bound. A link probe (an fp32 allreduce) estimates how many plain steps one
 fragment's transfer takes (which delays can cover it) and the link load (bytes per step over
 what the link carries in a plain step; above 1 no delay can hide the syncs).
 
@@ -388,11 +390,37 @@ def slowest_rank_view(run: Run, baseline: Run) -> dict[str, Any]:
     return view
 
 
+def least_waiting_view(run: Run) -> dict[str, Any]:
+    """Each step on the rank that waited least: its time over that rank's plain median, the minimum over ranks.
+
+    At a sync the rank that launches it last never waits for a peer, so the minimum leaves out
+    the straggler's wait and keeps what the sync itself costs. Plain steps go through the same
+    minimum, so the ratio of medians carries no bias from taking it.
+
+    Example::
+
+        >>> run = Run([[1.0, 1.0, 1.5, 1.0], [1.0, 1.0, 1.1, 1.0]], ["plain", "plain", "apply", "plain"])
+        >>> least_waiting_view(run)["sync/plain"]
+        1.1
+    """
+    plains = [
+        statistics.median(t for t, kind in zip(times, run.kinds, strict=True) if kind == "plain")
+        for times in run.rank_times_s
+    ]
+    least = [
+        min(t / plain for t, plain in zip(step, plains, strict=True)) for step in zip(*run.rank_times_s, strict=True)
+    ]
+    own = summarize(least, run.kinds, None)
+    return {key: own[key] for key in ("worst kind", "sync/plain", "sync/plain 95%") if key in own}
+
+
 def _finish(
     result: dict[str, Any], run: Run, baseline: Run, setting: Setting, bytes_per_s: float, plain_s: float
 ) -> None:
-    """Add the slowest rank's view, the rank totals, the bytes and the transfer estimate of ``run``."""
+    """Add the per-rank views, every rank's step times, the bytes and the transfer estimate of ``run``."""
     result["slowest rank view"] = slowest_rank_view(run, baseline)
+    result["least waiting rank view"] = least_waiting_view(run)
+    result["rank step ms"] = [[round(t * 1e3, 3) for t in times] for times in run.rank_times_s]
     result["rank totals ms"] = [round(t * 1e3, 3) for t in run.rank_totals_s]
     result["slowest rank"] = run.slowest_rank
     result["bytes/inner step"] = round(run.bytes_per_step)
@@ -494,6 +522,10 @@ def result_line(label: str, result: dict[str, Any]) -> str:
         parts.append(f"worst/plain {result['sync/plain']:.3f} [{low:.3f}, {high:.3f}] ({result['worst kind']})")
     if "throughput ratio" in result:
         parts.append(f"run/baseline {result['throughput ratio']:.3f}")
+    least = result.get("least waiting rank view", {})
+    if "sync/plain" in least:
+        low, high = least["sync/plain 95%"]
+        parts.append(f"least waiting: {least['sync/plain']:.3f} [{low:.3f}, {high:.3f}] ({least['worst kind']})")
     view = result.get("slowest rank view", {})
     if "sync/plain" in view:
         low, high = view["sync/plain 95%"]

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from dcomm.core import foreach_copy_, foreach_div_, foreach_sub_
+from dcomm.core import foreach_copy_, foreach_div_, foreach_sub_, views_like
 from dcomm.core._torch_private import PRIVATE_MEMBERS
 from dcomm.core.torch_private import PrivateMember, TorchChanged, missing_members, private_member
 
@@ -62,3 +62,17 @@ def test_a_missing_member_names_torch_the_member_and_the_supported_range() -> No
     with pytest.raises(TorchChanged, match=r"dcomm-core supports torch(>=|<|,|\d|\.)*"):
         private_member(fake, "_gone", distribution="dcomm-core", what="NCCL sums")
     assert missing_members([PrivateMember(lambda: fake, "_gone", "x")]) == ["torch.distributed._gone (x)"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_views_like_are_the_flat_buffers_consecutive_pieces_shaped_like_the_tensors(dtype: torch.dtype) -> None:
+    shapes = [(2, 3), (), (4,), (1, 2, 2)]
+    tensors = [torch.zeros(shape, dtype=torch.bfloat16) for shape in shapes]
+    flat = torch.arange(15, dtype=dtype)
+    views = views_like(flat, tensors)
+    expected = [piece.view(shape) for piece, shape in zip(flat.split([6, 1, 4, 4]), shapes, strict=True)]
+    assert [v.shape for v in views] == [torch.Size(shape) for shape in shapes]
+    assert all(v.dtype == dtype for v in views)  # the flat buffer's dtype, not the tensors'
+    assert all(torch.equal(v, e) for v, e in zip(views, expected, strict=True))
+    views[2].fill_(-1.0)  # views, not copies
+    assert flat[7:11].tolist() == [-1.0] * 4

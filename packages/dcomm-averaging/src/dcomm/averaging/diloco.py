@@ -34,7 +34,7 @@ from dcomm.averaging._diloco.exchange import (
 )
 from dcomm.averaging._diloco.fragments import split_bytes, sync_offsets
 from dcomm.averaging._wrapping_optimizer import WrappingOptimizer
-from dcomm.core import foreach_copy_, foreach_sub_, reduced_by_nccl, resolve_group
+from dcomm.core import foreach_copy_, foreach_sub_, reduced_by_nccl, resolve_group, views_like
 from dcomm.core.validation import boolean, non_negative_int, positive_int
 
 __all__ = ["DiLoCoOptimizer"]
@@ -62,6 +62,30 @@ def _pinned_like(tensor: torch.Tensor, non_blocking: bool = False) -> torch.Tens
     copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
     copy.copy_(tensor, non_blocking=non_blocking)
     return copy
+
+
+@dataclass(frozen=True)
+class _FragmentParts:
+    """One fragment's tensors, listed once: its parameters, their global copies, the other parameters."""
+
+    params: list[torch.Tensor]
+    global_copies: list[torch.Tensor]
+    others: list[torch.Tensor]
+    numel: int
+    dtype: torch.dtype  # of the flat pseudo-gradient: fp32, or fp64 if a parameter is fp64
+
+    @classmethod
+    def of(cls, indices: list[int], params: list[torch.Tensor], global_copies: list[torch.Tensor]) -> _FragmentParts:
+        mine = [params[j] for j in indices]
+        members = set(indices)
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in mine) else torch.float32
+        return cls(
+            mine,
+            [global_copies[j] for j in indices],
+            [p for j, p in enumerate(params) if j not in members],
+            sum(p.numel() for p in mine),
+            dtype,
+        )
 
 
 class DiLoCoOptimizer(WrappingOptimizer):
@@ -189,6 +213,7 @@ class DiLoCoOptimizer(WrappingOptimizer):
         self._broadcast_params()
         with torch.no_grad():
             self._global = [_pinned_like(p) if offload_global else p.detach().clone() for p in self._params]
+        self._parts = [_FragmentParts.of(indices, self._params, self._global) for indices in self._fragments]
 
     # -- construction -------------------------------------------------------------------------
 
@@ -285,34 +310,30 @@ class DiLoCoOptimizer(WrappingOptimizer):
 
     def _pseudo_gradient(self, fragment: int) -> torch.Tensor:
         """``g - p`` of the fragment's parameters, flat, in fp32 (fp64 if one of them is fp64)."""
-        indices = self._fragments[fragment]
-        params = [self._params[j] for j in indices]
-        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
-        numels = [p.numel() for p in params]
-        flat = torch.empty(sum(numels), dtype=dtype, device=params[0].device)
-        views = [part.view(p.shape) for part, p in zip(flat.split(numels), params, strict=True)]
+        parts = self._parts[fragment]
+        flat = torch.empty(parts.numel, dtype=parts.dtype, device=parts.params[0].device)
+        views = views_like(flat, parts.params)  # shaped like the parameters, made in C++: host time per sync
         with torch.no_grad():  # a few many-tensor kernels, not two per parameter
-            foreach_copy_(views, [self._global[j] for j in indices], non_blocking=True)
-            foreach_sub_(views, params)
+            foreach_copy_(views, parts.global_copies, non_blocking=True)
+            foreach_sub_(views, parts.params)
         self._note_offload_copies()
         return flat
 
     def _apply(self, fragment: int, average: torch.Tensor) -> None:
         """Reset the fragment to ``g``, take the outer step on the averaged change, and update ``g``."""
         indices = self._fragments[fragment]
-        members = set(indices)
-        others = [p for j, p in enumerate(self._params) if j not in members]
+        parts = self._parts[fragment]
+        params, global_copies, others = parts.params, parts.global_copies, parts.others
         kept_grads = [p.grad for p in others]
         alpha = self.fragment_update_alpha
-        params = [self._params[j] for j in indices]
-        global_copies = [self._global[j] for j in indices]
         with torch.no_grad():
             for param in others:
                 param.grad = None
             local = [p.detach().clone() for p in params] if alpha else []
             foreach_copy_(params, global_copies, non_blocking=True)  # offloaded g is pinned: no host wait
-            for param, part in zip(params, average.split([p.numel() for p in params]), strict=True):
-                param.grad = part.view(param.shape).to(param.dtype)
+            grads = views_like(average, params)
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad if grad.dtype == param.dtype else grad.to(param.dtype)
             self._outer_state_to_device(indices)
             self.outer.step()
             self._outer_state_offload(indices)
@@ -322,8 +343,8 @@ class DiLoCoOptimizer(WrappingOptimizer):
                     param.lerp_(kept, alpha)
             for param in params:
                 param.grad = None
-            for param, grad in zip(others, kept_grads, strict=True):
-                param.grad = grad
+            for param, kept_grad in zip(others, kept_grads, strict=True):
+                param.grad = kept_grad
         self._note_offload_copies()
 
     def _outer_state_to_device(self, indices: list[int]) -> None:

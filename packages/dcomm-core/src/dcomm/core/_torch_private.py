@@ -1,8 +1,8 @@
 """Every private torch member dcomm-core reads, and the accessors that read them.
 
 The other dcomm packages use the many-tensor kernels through :func:`dcomm.core.foreach_div_`,
-:func:`dcomm.core.foreach_copy_` and :func:`dcomm.core.foreach_sub_`, so each member is listed and
-read once.
+:func:`dcomm.core.foreach_copy_`, :func:`dcomm.core.foreach_sub_` and
+:func:`dcomm.core.views_like`, so each member is listed and read once.
 
 Example::
 
@@ -23,7 +23,10 @@ _PREMUL_SUM = PrivateMember(lambda: dist, "_make_nccl_premul_sum", "NCCL's pre-m
 _FOREACH_DIV = PrivateMember(lambda: torch, "_foreach_div_", "the in-place division of many tensors in one kernel")
 _FOREACH_COPY = PrivateMember(lambda: torch, "_foreach_copy_", "the copy of many tensors in one kernel")
 _FOREACH_SUB = PrivateMember(lambda: torch, "_foreach_sub_", "the in-place subtraction of many tensors in one kernel")
-PRIVATE_MEMBERS = [_PREMUL_SUM, _FOREACH_DIV, _FOREACH_COPY, _FOREACH_SUB]
+_UNFLATTEN = PrivateMember(
+    lambda: torch._C._nn, "unflatten_dense_tensors", "the views of a flat buffer shaped like many tensors"
+)
+PRIVATE_MEMBERS = [_PREMUL_SUM, _FOREACH_DIV, _FOREACH_COPY, _FOREACH_SUB, _UNFLATTEN]
 
 
 def _read(member: PrivateMember) -> Any:
@@ -76,3 +79,17 @@ def foreach_sub_(targets: list[torch.Tensor], others: list[torch.Tensor]) -> Non
         [tensor([4., 4.])]
     """
     _read(_FOREACH_SUB)(targets, others)
+
+
+def views_like(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive views of the 1-D ``flat``, one per tensor of ``tensors`` with its shape (made in C++).
+
+    ``flat`` keeps its dtype; it must hold at least the tensors' total number of elements.
+
+    Example::
+
+        >>> views = views_like(torch.arange(5.0), [torch.zeros(2, 2), torch.zeros(1)])
+        >>> [tuple(v.shape) for v in views], views[1]
+        ([(2, 2), (1,)], tensor([4.]))
+    """
+    return list(_read(_UNFLATTEN)(flat, tensors))

@@ -285,9 +285,9 @@ def _fused_kernels(tensor: torch.Tensor, fmt: str, block_size: int) -> Any:
     """The fused Triton kernels when they take ``tensor`` (CUDA, int8/fp8), else None."""
     if not tensor.is_cuda or _FUSED_FAILURE:
         return None
-    from dcomm.core import _quantization_kernels
+    import dcomm.core._quantization_kernels as kernels  # Triton is imported on first use only
 
-    return _quantization_kernels if _quantization_kernels.usable(tensor, fmt, block_size) else None
+    return kernels if kernels.usable(tensor, fmt, block_size) else None
 
 
 def _launched(launch: Callable[[], object]) -> bool:

@@ -244,6 +244,64 @@ def _accumulation(rank: int, world: int) -> list[str]:
     return seen
 
 
+# -- find_unused_parameters=True: a parameter without a gradient is not stepped ---------------------
+
+
+class _Branches(torch.nn.Module):
+    """Three layers; the middle one runs only when asked (on some ranks, or on none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.middle, self.last = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, use_middle: bool) -> torch.Tensor:
+        x = self.first(x)
+        return self.last(self.middle(x) if use_middle else x)
+
+
+def _unused(rank: int, world: int) -> list[str]:
+    """A parameter unused on every rank keeps its value and its Adam state, as with plain ZeRO.
+
+    DDP leaves a globally unused parameter's ``.grad`` None, so plain ZeRO's Adam skips it; the
+    overlap hooks stepped it with the zero gradient in DDP's bucket, which moved it by up to lr
+    (Adam's momentum). Steps 2 and 5 skip the middle layer on every rank, step 4 on rank 0 only
+    (an averaged gradient: stepped); from step 6 its weight is frozen (requires_grad=False).
+    """
+    seen = []
+    for builder in BUILDERS:
+        case = f"unused-{builder}"
+        model, ref_model = _Branches(), _Branches()
+        ddp = DDP(model, bucket_cap_mb=BUCKET_MB, find_unused_parameters=True)
+        ref_ddp = DDP(ref_model, bucket_cap_mb=BUCKET_MB, find_unused_parameters=True)
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True)
+        ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam)
+        hook = BUILDERS[builder](allreduce_hook, ddp, zero, shard_buckets=True, step_mode=STEP_MODE)
+        ddp.register_comm_hook(None, hook)
+        for step in range(8):
+            if step == 6:
+                model.middle.weight.requires_grad_(False)
+                ref_model.middle.weight.requires_grad_(False)
+            use_middle = step not in (2, 5) and (step != 4 or rank == 0)
+            x = batch(rank, step)
+            for run, run_zero in ((ddp, zero), (ref_ddp, ref_zero)):
+                run_zero.zero_grad(set_to_none=True)
+                run(x, use_middle).square().sum().backward()
+            ref_zero.step()
+            where = f"{case} step {step}"
+            torch.testing.assert_close(
+                flat_parameters(model), flat_parameters(ref_model), msg=lambda m, w=where: f"{w}: {m}"
+            )
+            assert_same_on_ranks([flat_parameters(model)], "the parameters")
+        seen.append(case)
+    # reduce_scatter=True steps slices that span parameters: it cannot skip one, so it refuses.
+    ddp = DDP(_Branches(), bucket_cap_mb=BUCKET_MB, find_unused_parameters=True)
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True)
+    with pytest.raises(ValueError, match=r"reduce_scatter: True .*find_unused_parameters=True.*reduce_scatter=False"):
+        hook_with_zero_step(allreduce_hook, ddp, zero, reduce_scatter=True)
+    return seen
+
+
 # -- a wrapped hook or state that does not average over ZeRO's group (issue 13, item 4) ------------
 
 
@@ -762,6 +820,8 @@ def _suite(rank: int, world: int, parts: list[str], step_mode: str = "per_bucket
             assert len(result) == 8
         if part in ("_accumulation", "_reordered"):
             assert len(result) == 4
+        if part == "_unused":
+            assert len(result) == 2
         if part == "_wrong_averaging":
             assert result == 10
     return len(parts)
@@ -791,3 +851,11 @@ def test_checkpoints_resume_errors_and_fallback(step_mode: str) -> None:
     """Checkpoint at step 0 and 2 and resume; a non-overlapped checkpoint resumes; every error; freed."""
     parts = ["_resume", "_interchangeable", "_errors", "_fallback", "_released"]
     assert run_ranks(_suite, 2, parts, step_mode, timeout=300) == [5, 5]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("step_mode", STEP_PATHS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_globally_unused_parameter_is_not_stepped(world: int, step_mode: str) -> None:
+    """find_unused_parameters=True: a parameter no rank used (or frozen) is skipped, as plain ZeRO does."""
+    assert run_ranks(_suite, world, ["_unused"], step_mode, timeout=300) == [1] * world

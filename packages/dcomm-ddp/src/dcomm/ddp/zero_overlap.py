@@ -76,6 +76,11 @@ the ``dcomm.ddp.zero_overlap`` logger; :func:`step_mode_of` returns it. For
 one optimizer call per bucket, and measured slower on every GPU workload. Every path gives the same
 parameters, so the choice is not checkpointed: a restarted run calibrates again.
 
+With ``find_unused_parameters=True`` a parameter that no rank used in a step (or that was frozen)
+is stepped with its untouched ``.grad``, skipped when None, as a non-overlapped ZeRO does; the
+hooks learn which parameters were used with one small MAX allreduce per bucket (a host sync on
+CUDA). ``reduce_scatter=True`` refuses such a DDP: its slices span parameters.
+
 Example::
 
     >>> import torch
@@ -139,6 +144,7 @@ def _build(
     checks.check_ddp(ddp)
     checks.check_zero(zero)
     checks.check_same_group(zero, ddp)
+    checks.check_unused(ddp, reduce_scatter)
     params = checks.trainable_params(ddp, zero)
     checks.check_not_trained(ddp, name)
 
@@ -283,7 +289,9 @@ def hook_with_zero_step(
         ValueError: ``zero`` built without ``overlap_with_ddp=True``, with several parameter
             groups, over parameters outside ``ddp``, ``hook`` not a plain averaging hook (also
             behind ``functools.partial``), or ``reduce_scatter=True`` with a hook other than the
-            six listed above, ``step_mode`` not one of the three above. On the first backward:
+            six listed above, ``reduce_scatter=True`` with a DDP built with
+            ``find_unused_parameters=True`` (a slice cannot skip a parameter that got no
+            gradient), ``step_mode`` not one of the three above. On the first backward:
             a ``state`` that averages over other ranks than ``zero.process_group`` (a subgroup,
             a ``PostLocalSGDState``).
         RuntimeError: training has already started, or ``zero`` already drives a hook.

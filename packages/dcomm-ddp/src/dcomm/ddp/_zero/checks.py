@@ -139,6 +139,17 @@ def _ranks(group: dist.ProcessGroup) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
+def check_unused(ddp: DistributedDataParallel, reduce_scatter: bool) -> None:
+    """``reduce_scatter=True`` cannot skip one parameter of a slice, as a step without its gradient needs."""
+    if reduce_scatter and getattr(ddp, "find_unused_parameters", False):
+        raise ValueError(
+            "reduce_scatter: True steps element-wise slices that span several parameters, so it cannot "
+            "skip a parameter that got no gradient on any rank as plain ZeRO does, but ddp was built with "
+            "find_unused_parameters=True; pass reduce_scatter=False, or build DDP with "
+            "find_unused_parameters=False"
+        )
+
+
 def check_same_group(zero: ZeroRedundancyOptimizer, ddp: DistributedDataParallel) -> None:
     if _ranks(zero.process_group) != _ranks(ddp.process_group):
         raise ValueError(

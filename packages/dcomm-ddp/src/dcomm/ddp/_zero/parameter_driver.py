@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,7 @@ class _Owner:
     numel: int
     params: list[torch.Tensor]
     offsets: list[int]  # of each parameter in the bucket's flat gradient
+    positions: list[int]  # of each parameter in the bucket
 
 
 @dataclass
@@ -72,6 +74,8 @@ class _Update:
     fut: torch.futures.Future  # what DDP gets
     buffer_address: int  # of DDP's bucket buffer
     work: Any = None  # the driver's own allreduce of the bucket (see ParameterDriver.launch)
+    used: torch.Tensor | None = None  # per bucket parameter: 1 if any rank computed its gradient
+    used_work: Any = None  # the MAX allreduce of ``used`` (find_unused_parameters=True only)
 
 
 class ParameterDriver(Driver):
@@ -84,6 +88,14 @@ class ParameterDriver(Driver):
         private.sync_param_groups(zero, zero.optim.param_groups, zero.param_groups)
         self.averages_itself = _is_allreduce_hook(setup.hook)
         self.average_plans: dict[tuple[torch.dtype, torch.device], AveragePlan] = {}
+        # With find_unused_parameters=True, the ids of the parameters that got a gradient on this
+        # rank since the last synchronized backward (as DDP's own used map, no_sync passes included).
+        self.used: set[int] | None = None
+        if getattr(setup.ddp, "find_unused_parameters", False):
+            self.used = set()
+            for bucket in setup.buckets:
+                for p in bucket:
+                    p.register_hook(_marks_used(self.used, id(p)))
 
     def per_bucket_overlaps(self) -> bool:
         # Without interleaving every bucket is updated at the last one, as on the fused path but
@@ -95,13 +107,13 @@ class ParameterDriver(Driver):
     @torch.no_grad()
     def make_plan(self, key: tuple[int, ...], params: list[torch.Tensor]) -> _BucketPlan:
         owner_of = private.param_to_rank(self.zero)
-        per_rank: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        per_rank: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
         offset = 0
-        for p in params:
+        for position, p in enumerate(params):
             if p in owner_of:
-                per_rank.setdefault(owner_of[p], []).append((p, offset))
+                per_rank.setdefault(owner_of[p], []).append((p, offset, position))
             offset += p.numel()
-        sizes = {rank: sum(p.numel() for p, _ in members) for rank, members in per_rank.items()}
+        sizes = {rank: sum(p.numel() for p, _, _ in members) for rank, members in per_rank.items()}
         total = sum(sizes.values())
         piece = max(sizes.values(), default=0)
         # One all-gather of world equal (padded) pieces moves about (world - 1) * piece elements
@@ -120,13 +132,14 @@ class ParameterDriver(Driver):
                 start = rank * piece
             packed = start
             assert flat is not None  # allocated above: per_rank is not empty
-            for p, _ in members:
+            for p, _, _ in members:
                 view = flat[packed : packed + p.numel()].view_as(p)
                 view.copy_(p.detach())
                 p.data = view
                 packed += p.numel()
             src = dist.get_global_rank(self.group, rank)
-            owners.append(_Owner(rank, src, start, sizes[rank], [p for p, _ in members], [o for _, o in members]))
+            params_, offsets, positions = (list(column) for column in zip(*members, strict=True))
+            owners.append(_Owner(rank, src, start, sizes[rank], params_, offsets, positions))
             start += sizes[rank]
         mine = next((o for o in owners if o.rank == self.rank), None)
         return _BucketPlan(key, offset, owners, mine, flat, gather, piece)
@@ -134,6 +147,21 @@ class ParameterDriver(Driver):
     # -- per-bucket work ----------------------------------------------------------------------
 
     def launch(self, state: Any, bucket: dist.GradBucket) -> _Update:
+        update = self._launch(state, bucket)
+        if self.used is not None:
+            # DDP leaves the .grad of a parameter no rank used untouched, so plain ZeRO skips it
+            # (or steps its old .grad); which ones those are, every rank learns from one small MAX.
+            update.used = torch.tensor(
+                [key in self.used for key in update.plan.key], dtype=torch.int32, device=bucket.buffer().device
+            )
+            update.used_work = start_allreduce(update.used, self.group, dist.ReduceOp.MAX)
+        return update
+
+    def end_backward(self) -> None:
+        if self.used is not None:
+            self.used.clear()
+
+    def _launch(self, state: Any, bucket: dist.GradBucket) -> _Update:
         plan = self.plan(bucket)
         buffer = bucket.buffer()
         if not self.averages_itself:
@@ -198,12 +226,22 @@ class ParameterDriver(Driver):
             grad.record_stream(self.stream)
         address = grad.data_ptr()
         if plan.grad_views is not None and plan.views_of == address:
-            return plan.grad_views
-        views = [(p, grad[off : off + p.numel()].view_as(p)) for p, off in zip(mine.params, mine.offsets, strict=True)]
-        if address == item.buffer_address:
-            # Views into DDP's own bucket buffer: keeping them holds no extra memory.
-            plan.grad_views, plan.views_of = views, address
-        return views
+            views = plan.grad_views
+        else:
+            views = [
+                (p, grad[off : off + p.numel()].view_as(p)) for p, off in zip(mine.params, mine.offsets, strict=True)
+            ]
+            if address == item.buffer_address:
+                # Views into DDP's own bucket buffer: keeping them holds no extra memory.
+                plan.grad_views, plan.views_of = views, address
+        if item.used_work is None:
+            return views
+        assert item.used is not None  # set with used_work
+        item.used_work.wait()
+        used = item.used.tolist()  # a host sync on CUDA, as DDP's own find_unused_parameters pays
+        # A parameter no rank used: what plain ZeRO steps with, its untouched .grad (None: skipped).
+        chosen = [(p, g if used[i] else p.grad) for (p, g), i in zip(views, mine.positions, strict=True)]
+        return [(p, g) for p, g in chosen if g is not None]
 
     def _gather_pairs(self, plan: _BucketPlan) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(output, piece)`` of the bucket's all-gather, if it has one."""
@@ -236,6 +274,15 @@ class ParameterDriver(Driver):
         finally:
             for (p, _), g in zip(owned, saved, strict=True):
                 p.grad = g
+
+
+def _marks_used(used: set[int], key: int) -> Callable[[torch.Tensor], None]:
+    """A gradient hook that adds ``key`` to ``used`` (it holds no reference to the parameter)."""
+
+    def mark(grad: torch.Tensor) -> None:
+        used.add(key)
+
+    return mark
 
 
 def _is_allreduce_hook(hook: object) -> bool:

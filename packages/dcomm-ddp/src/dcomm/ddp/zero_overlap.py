@@ -78,8 +78,9 @@ parameters, so the choice is not checkpointed: a restarted run calibrates again.
 
 With ``find_unused_parameters=True`` a parameter that no rank used in a step (or that was frozen)
 is stepped with its untouched ``.grad``, skipped when None, as a non-overlapped ZeRO does; the
-hooks learn which parameters were used with one small MAX allreduce per bucket (a host sync on
-CUDA). ``reduce_scatter=True`` refuses such a DDP: its slices span parameters.
+hooks learn which parameters were used with one small MAX allreduce per bucket, which a rank
+reads (a host sync on CUDA) only when it computed no gradient for one of the bucket's
+parameters itself. ``reduce_scatter=True`` refuses such a DDP: its slices span parameters.
 
 Example::
 

@@ -76,6 +76,7 @@ class _Update:
     work: Any = None  # the driver's own allreduce of the bucket (see ParameterDriver.launch)
     used: torch.Tensor | None = None  # per bucket parameter: 1 if any rank computed its gradient
     used_work: Any = None  # the MAX allreduce of ``used`` (find_unused_parameters=True only)
+    used_here: bool = True  # this rank computed every gradient of the bucket: all are used, no need to look
 
 
 class ParameterDriver(Driver):
@@ -151,9 +152,15 @@ class ParameterDriver(Driver):
         if self.used is not None:
             # DDP leaves the .grad of a parameter no rank used untouched, so plain ZeRO skips it
             # (or steps its old .grad); which ones those are, every rank learns from one small MAX.
-            update.used = torch.tensor(
-                [key in self.used for key in update.plan.key], dtype=torch.int32, device=bucket.buffer().device
-            )
+            # Every rank joins it; only a rank that missed a gradient itself reads the result.
+            flags = [key in self.used for key in update.plan.key]
+            device = bucket.buffer().device
+            update.used_here = all(flags)
+            if update.used_here:  # a fill on the device: no host-to-device copy
+                update.used = torch.ones(len(flags), dtype=torch.int32, device=device)
+            else:  # from pinned memory: the host does not wait for the backward stream
+                pinned = torch.tensor(flags, dtype=torch.int32, pin_memory=device.type == "cuda")
+                update.used = pinned.to(device, non_blocking=True)
             update.used_work = start_allreduce(update.used, self.group, dist.ReduceOp.MAX)
         return update
 
@@ -234,11 +241,11 @@ class ParameterDriver(Driver):
             if address == item.buffer_address:
                 # Views into DDP's own bucket buffer: keeping them holds no extra memory.
                 plan.grad_views, plan.views_of = views, address
-        if item.used_work is None:
+        if item.used_work is None or item.used_here:
             return views
         assert item.used is not None  # set with used_work
         item.used_work.wait()
-        used = item.used.tolist()  # a host sync on CUDA, as DDP's own find_unused_parameters pays
+        used = item.used.tolist()  # a host sync on CUDA, only on a rank that missed a gradient
         # A parameter no rank used: what plain ZeRO steps with, its untouched .grad (None: skipped).
         chosen = [(p, g if used[i] else p.grad) for (p, g), i in zip(views, mine.positions, strict=True)]
         return [(p, g) for p, g in chosen if g is not None]

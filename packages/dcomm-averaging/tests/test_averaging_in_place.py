@@ -205,38 +205,49 @@ PACKING = [
 def _packing_checks(rank: int, world: int) -> None:
     everyone = list(range(world))
     group = dist.group.WORLD
-    real = type(group).allreduce_coalesced
+    real_coalesced, real_single = type(group).allreduce_coalesced, type(group).allreduce
     launches: list[list[int]] = []
+    singles: list[int] = []
 
     def counting(self: Any, tensors: list[torch.Tensor], options: Any) -> Any:
         launches.append([t.numel() for t in tensors])
-        return real(self, tensors, options)
+        return real_coalesced(self, tensors, options)
 
-    # (cap, the fp32 launch, the packed bytes of fp32, bf16 and fp16): the packed small ones go
-    # first, as one tensor.
+    def counting_single(self: Any, tensors: list[torch.Tensor], options: Any) -> Any:
+        singles.append(sum(t.numel() for t in tensors))
+        return real_single(self, tensors, options)
+
+    # (cap, the fp32 launch, the packed elements per dtype (fp32, bf16, fp16), the packed bytes):
+    # the grouped launch holds the large ones (and small ones that did not fit); the packed small
+    # ones follow it as one allreduce of their own.
     cases = [
-        (impl.PACK_MAX_BYTES, [7 + 15 + 11, 64 * 300, 129 * 128], [(7 + 15 + 11) * 4, (9 + 6) * 2, (5 + 6) * 2]),
-        (100, [7 + 15, 64 * 300, 129 * 128, 11], [(7 + 15) * 4, (9 + 6) * 2, (5 + 6) * 2]),  # 11 floats don't fit
-        (4, [64 * 300, 7, 15, 129 * 128, 11], [0, 0, 0]),  # nothing fits: nothing packed or allocated
+        (impl.PACK_MAX_BYTES, [64 * 300, 129 * 128], [7 + 15 + 11, 9 + 6, 5 + 6]),
+        (100, [64 * 300, 129 * 128, 11], [7 + 15, 9 + 6, 5 + 6]),  # 11 floats don't fit
+        (4, [64 * 300, 7, 15, 129 * 128, 11], []),  # nothing fits: nothing packed or allocated
     ]
     # bucket_cap_mb bounds the pack too: 100 bytes of bucket pack as a 100-byte cap does.
-    cases = [(cap, launch, peak, impl.DEFAULT_BUCKET_CAP_MB) for cap, launch, peak in cases]
+    cases = [(cap, launch, packed, impl.DEFAULT_BUCKET_CAP_MB) for cap, launch, packed in cases]
     cases.append((impl.PACK_MAX_BYTES, cases[1][1], cases[1][2], 100 / MIB))
-    for cap, fp32_launch, peak, bucket_mb in cases:
+    for cap, fp32_launch, packed, bucket_mb in cases:
         params = make_params(rank, PACKING, seed=21)
         before = _pointers(params)
         launches.clear()
+        singles.clear()
         type(group).allreduce_coalesced = counting  # type: ignore[method-assign]
+        type(group).allreduce = counting_single  # type: ignore[method-assign]
         try:
             with AllocationTracker() as mem:
                 forced(params, None, pack_max_bytes=cap, bucket_cap_mb=bucket_mb)
         finally:
-            type(group).allreduce_coalesced = real  # type: ignore[method-assign]
+            type(group).allreduce_coalesced = real_coalesced  # type: ignore[method-assign]
+            type(group).allreduce = real_single  # type: ignore[method-assign]
         assert _pointers(params) == before, "a parameter moved"
         assert_averaged(params, exact_mean(everyone, PACKING, seed=21))
         assert launches[0] == fp32_launch
+        assert singles == packed
         # Extra memory: the packed buffers only (gloo may hold one until its next collective).
-        assert peak[0] <= mem.peak <= sum(peak), (cap, mem.peak)
+        sizes = [n * size for n, size in zip(packed, (4, 2, 2), strict=False)]
+        assert (sizes[0] if sizes else 0) <= mem.peak <= sum(sizes), (cap, mem.peak)
 
 
 def test_small_ones_packed() -> None:

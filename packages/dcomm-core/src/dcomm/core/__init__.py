@@ -13,6 +13,7 @@ from dcomm.core.averaging import AveragePlan, average_sync, plan_average
 from dcomm.core.collectives import (
     all_gather_single,
     allreduce_future,
+    allreduce_options,
     completed_future,
     group_size,
     member_size,
@@ -43,6 +44,7 @@ from dcomm.core.quantized_average import QuantizedAverage, quantized_average_byt
 from dcomm.core.state import DefaultState, LowPrecisionState
 
 __all__ = [
+    "allreduce_options",
     "LOW_PRECISION_DTYPES",
     "AveragePlan",
     "DefaultState",

@@ -149,13 +149,20 @@ def all_gather_single(
     return collective(output, tensor, group=group, async_op=async_op)
 
 
-def _options(op: Any) -> dist.AllreduceOptions:
+def allreduce_options(op: Any) -> dist.AllreduceOptions:
+    """Options for ``ProcessGroup.allreduce`` with ``op``: build them once, reuse them for every call.
+
+    Example::
+
+        >>> options = allreduce_options(dist.ReduceOp.AVG)
+        >>> work = group.allreduce([tensor], options)  # doctest: +SKIP
+    """
     options = dist.AllreduceOptions()
     options.reduceOp = op  # torch's stub says ReduceOp; a RedOpType (ReduceOp.SUM) converts to one
     return options
 
 
-_SUM = _options(dist.ReduceOp.SUM)
+_SUM = allreduce_options(dist.ReduceOp.SUM)
 # Reductions that order or combine bits: undefined for complex numbers (a sum or a scaled sum is
 # the same on the real and imaginary parts, so those reduce the tensor's real view).
 _REAL_ONLY_OPS = (
@@ -182,7 +189,7 @@ def _reducible(tensor: torch.Tensor, op: Any) -> torch.Tensor:
 
 
 def _launch(reducible: torch.Tensor, group: dist.ProcessGroup, op: Any) -> dist.Work:
-    return group.allreduce([reducible], _SUM if op == dist.ReduceOp.SUM else _options(op))
+    return group.allreduce([reducible], _SUM if op == dist.ReduceOp.SUM else allreduce_options(op))
 
 
 def start_allreduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: Any = dist.ReduceOp.SUM) -> dist.Work:

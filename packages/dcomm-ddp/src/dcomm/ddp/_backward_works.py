@@ -60,10 +60,10 @@ def defer_to_last_bucket(
     state = _IN_FLIGHT.get(group)
     if state is None:
         state = _IN_FLIGHT[group] = _InFlight()
-    if not state.order.follows(bucket):
+    follows, last = state.order.advance(bucket)
+    if not follows:
         state.wait_at_once = True
     state.works.append(work)
-    last = bucket.is_last()
     if last or state.wait_at_once:
         _wait_all(state)
     if last:

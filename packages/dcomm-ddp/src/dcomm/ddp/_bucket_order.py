@@ -29,7 +29,12 @@ class BucketOrder:
 
     def follows(self, bucket: dist.GradBucket) -> bool:
         """Whether ``bucket`` comes after the previous one; remembers it (or, if last, the end)."""
+        return self.advance(bucket)[0]
+
+    def advance(self, bucket: dist.GradBucket) -> tuple[bool, bool]:
+        """:meth:`follows`, and whether ``bucket`` is the last one (one call of each bucket method)."""
         index = bucket.index()
         follows = index > self.last_index
-        self.last_index = -1 if bucket.is_last() else index
-        return follows
+        last = bucket.is_last()
+        self.last_index = -1 if last else index
+        return follows, last

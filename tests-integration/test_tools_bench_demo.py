@@ -16,7 +16,7 @@ TRAINING_CASES = ("ddp", "compression", "post-local-sgd", "zero", "fsdp", "fully
 EXPECTED_ROWS = {
     "averaging": {"averaging", "averaging/flattened"},
     "diloco": {"diloco"},
-    "ddp": {"ddp/allreduce", "ddp/fp16", "ddp/bf16"},
+    "ddp": {"ddp/allreduce", "ddp/fp16", "ddp/bf16", "ddp/python floor", "ddp/allreduce vs python floor"},
     "compression": {
         "compression/int8",
         "compression/fp8",

@@ -1,5 +1,10 @@
 """DDP with each communication hook, dcomm's and torch's, against DDP's built-in allreduce.
 
+``python floor`` is a reference for what DDP's call of *any* Python hook costs: the least a hook
+can do (one allreduce of the bucket with the averaging arithmetic, waited for at the last
+bucket, a completed future). dcomm's ``allreduce_hook`` is compared with it, so the share of its
+distance to the built-in that belongs to DDP's Python hook mechanism is visible.
+
 Example::
 
     >>> case = ddp_case(ctx)  # doctest: +SKIP
@@ -7,13 +12,20 @@ Example::
     ['builtin', 'dcomm allreduce', 'dcomm bf16']
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: DDP checks a hook's annotations against the real
+# ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` objects, not strings.
 
-from tools.bench.ab import Case, Variant
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dcomm.core import allreduce_options, completed_future, plan_average
+from tools.bench.ab import Case, Pair, Variant
 from tools.bench.cases.common import Context, add_versions, sgd_variant
 from tools.impls import resolve
 
-__all__ = ["DDP_HOOKS", "build_ddp", "ddp_case"]
+__all__ = ["DDP_HOOKS", "FloorState", "build_ddp", "build_python_floor", "ddp_case", "python_floor_hook"]
 
 DDP_HOOKS = {"allreduce": "allreduce_hook", "fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook"}
 
@@ -27,8 +39,42 @@ def build_ddp(ctx: Context, hook: tuple[str, str] | None) -> Variant:
     return sgd_variant(ctx, ddp)
 
 
+class FloorState:
+    """The python floor hook's works in flight and its launch settings per bucket dtype and device."""
+
+    def __init__(self) -> None:
+        self.pending: list[Any] = []
+        self.launch: dict[tuple[torch.dtype, torch.device], tuple[Any, float]] = {}
+
+
+def python_floor_hook(state: FloorState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket with one allreduce (divide first, as DDP does), waited for at the last bucket."""
+    buffer = bucket.buffer()
+    key = (buffer.dtype, buffer.device)
+    if key not in state.launch:
+        plan = plan_average(None, buffer.dtype, buffer.device, arithmetic="predivide", nccl_average=False)
+        state.launch[key] = (allreduce_options(plan.op), plan.pre)
+    options, pre = state.launch[key]
+    if pre != 1.0:
+        buffer.div_(pre)
+    state.pending.append(dist.group.WORLD.allreduce([buffer], options))
+    if bucket.is_last():
+        for work in state.pending:
+            work.wait()
+        state.pending.clear()
+    return completed_future(buffer)
+
+
+def build_python_floor(ctx: Context) -> Variant:
+    ddp = ctx.ddp(ctx.model())
+    ddp.register_comm_hook(FloorState(), python_floor_hook)
+    return sgd_variant(ctx, ddp)
+
+
 def ddp_case(ctx: Context) -> Case:
-    case = Case("ddp", {"builtin": lambda: build_ddp(ctx, None)}, [])
+    variants = {"builtin": lambda: build_ddp(ctx, None), "python floor": lambda: build_python_floor(ctx)}
+    case = Case("ddp", variants, [Pair("ddp/python floor", "python floor", "builtin", "torch/reference")])
     for name in DDP_HOOKS:
         add_versions(case, f"ddp/{name}", name, lambda impl, name=name: build_ddp(ctx, (impl, name)), "builtin")
+    case.pairs.append(Pair("ddp/allreduce vs python floor", "dcomm allreduce", "python floor", "dcomm/reference"))
     return case

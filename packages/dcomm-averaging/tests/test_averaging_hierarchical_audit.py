@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging import hierarchical_model_averager as torch_hier
 
 from dcomm.averaging import HierarchicalModelAverager
@@ -88,3 +89,38 @@ def _resume_mid_period(rank: int, world: int) -> None:
 @pytest.mark.timeout(120)
 def test_resume_mid_period_after_warmup_matches_torch() -> None:
     run_ranks(_resume_mid_period, 4, timeout=60)
+
+
+def _world_still_in_step(world: int) -> None:
+    """A group over the whole world is created and used: no rank created a group the others did not."""
+    everyone = dist.new_group(list(range(world)))
+    total = torch.ones(1)
+    dist.all_reduce(total, group=everyone)
+    assert total.item() == world
+
+
+def _subgroup_splits_refused(rank: int, world: int) -> None:
+    # One group of half the ranks, created on every rank; its members ask for smaller groups.
+    half = dist.new_group(list(range(world // 2)))
+    if rank < world // 2:
+        with pytest.raises(ValueError, match=rf"^process_group: its {world // 2} of the {world} ranks cannot be split"):
+            HierarchicalModelAverager({1: 1, 2: world // 2}, process_group=half)
+        # Sizes equal to the group's: nothing to create, it averages within the group.
+        averager = HierarchicalModelAverager({1: world // 2}, process_group=half)
+        param = _param([float(rank), 2.0 * rank])
+        averager.average_parameters([param])
+        mean = (world // 2 - 1) / 2
+        assert torch.equal(param.detach(), torch.tensor([mean, 2 * mean], dtype=torch.float64))
+    else:
+        with pytest.raises(ValueError, match=r"^process_group: this rank \(\d\) is not a member"):
+            HierarchicalModelAverager({1: 1, 2: world // 2}, process_group=half)
+    # Each rank its own subgroup (dist.new_subgroups): every rank refuses.
+    mine, _ = dist.new_subgroups(world // 2)
+    with pytest.raises(ValueError, match=r"^process_group: its 2 of the 4 ranks cannot be split into groups of \[1\]"):
+        HierarchicalModelAverager({1: 1, 2: world // 2}, process_group=mine)
+    _world_still_in_step(world)
+
+
+@pytest.mark.timeout(120)
+def test_subgroups_of_a_smaller_process_group_refused_on_every_member() -> None:
+    run_ranks(_subgroup_splits_refused, 4, timeout=60)

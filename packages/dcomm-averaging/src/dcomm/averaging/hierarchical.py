@@ -127,6 +127,25 @@ def _validate(period_group_size_dict: Any, world: int) -> OrderedDict[int, int]:
     return OrderedDict(zip(periods, sizes, strict=True))
 
 
+def _check_splittable(checked: OrderedDict[int, int], world: int) -> None:
+    """Refuse, before any group exists, subgroups of a ``process_group`` smaller than the world.
+
+    Creating a process group is collective over the whole default group, but the ranks outside
+    ``process_group`` cannot build this averager: the members alone would create the subgroups,
+    the world's group counters would drift apart, and the next group created over the world would
+    hang (torch's averager fails the same way). Every member raises this same error.
+    """
+    everyone = dist.get_world_size()
+    smaller = sorted({size for size in checked.values() if size < world})
+    if world < everyone and smaller:
+        raise ValueError(
+            f"process_group: its {world} of the {everyone} ranks cannot be split into groups of "
+            f"{smaller}: creating a process group needs every rank of the world, and the ranks outside "
+            "process_group cannot build this averager; pass process_group=None with group sizes of the "
+            "whole world, or average within process_group with PeriodicModelAverager"
+        )
+
+
 class HierarchicalModelAverager(ModelAverager):
     """Average within nested groups at different periods (hierarchical SGD).
 
@@ -137,7 +156,10 @@ class HierarchicalModelAverager(ModelAverager):
     ``process_group`` (WORLD when None) or a last size different from it, a negative
     ``warmup_steps``; with a ``TypeError``: a map that is not a mapping, a period or group size
     that is not an int. A largest period of 1 warns, as torch does. Group creation is collective:
-    every rank of the default group must build the averager.
+    every rank of the default group must build the averager. A ``process_group`` smaller than the
+    world may only be given with group sizes all equal to its size (nothing to create); smaller
+    sizes raise on every member before any group is created, since the ranks outside it cannot
+    take part in creating the subgroups.
 
     Attributes match torch's: ``period_process_group_dict`` maps each period to the group of
     this rank, ``warmup_steps``, ``process_group``, ``step``.
@@ -166,6 +188,7 @@ class HierarchicalModelAverager(ModelAverager):
         self.warmup_steps: int = check_warmup_steps(warmup_steps)
         self.bucket_cap_mb = _check_bucket_cap_mb(bucket_cap_mb)
         checked = _validate(period_group_size_dict, world)
+        _check_splittable(checked, world)
         self._periods: list[int] = list(checked)
         self._group_sizes: list[int] = list(checked.values())
         if self._periods[-1] == 1:

@@ -8,11 +8,14 @@ rank reported "world size -1".
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.algorithms.model_averaging.utils as torch_utils
 
+import dcomm.averaging.parameters as parameters_impl
 from dcomm.averaging import HierarchicalModelAverager, average_parameters
 from dcomm.core import DefaultState
 from dcomm_testing import run_ranks, seeded_batch
@@ -62,6 +65,14 @@ def _refused_before_any_collective(rank: int, world: int) -> None:
         with pytest.raises(ValueError, match=match):
             average_parameters([good, bad], None)
         assert torch.equal(good, torch.full((3,), float(rank))), "a parameter was averaged before the error"
+    # A strided layout with gaps is refused by the checks of the whole call, before any device's
+    # parameters are averaged (with several devices, one was averaged before the error).
+    gapped = torch.zeros(4, 6)[:, ::2]
+    with (
+        mock.patch.object(parameters_impl, "_average_on_device", side_effect=AssertionError("a device was averaged")),
+        pytest.raises(ValueError, match=r"^params: a parameter of shape \(4, 3\) and strides \(6, 2\) has gaps"),
+    ):
+        average_parameters([good, gapped], None)
     # Still in step: a real average after the refusals.
     average_parameters([good], None)
     assert torch.equal(good, torch.full((3,), (world - 1) / 2))

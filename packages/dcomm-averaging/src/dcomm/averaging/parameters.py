@@ -354,6 +354,10 @@ def _checked(param: torch.Tensor) -> None:
             f"params: a parameter has the complex dtype {param.dtype}; average its real view instead "
             "(torch.view_as_real(param))"
         )
+    if param.is_floating_point() and not param.is_contiguous():
+        # A layout with gaps or overlaps raises here, not when its device's turn comes: with
+        # parameters on several devices, another device would already have been averaged.
+        _flat_view(param)
 
 
 def _by_device(

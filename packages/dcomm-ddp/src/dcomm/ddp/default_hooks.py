@@ -34,15 +34,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from dcomm.core import (
-    AveragePlan,
-    allreduce_future,
-    allreduce_options,
-    copy_back,
-    plan_average,
-    resolve_group,
-    start_allreduce,
-)
+from dcomm.core import AveragePlan, allreduce_future, copy_back, plan_average, resolve_group, start_allreduce
 from dcomm.ddp._backward_works import defer_to_last_bucket
 
 __all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
@@ -96,26 +88,12 @@ def _average(
     ``bucket``: the bucket DDP's reducer is handing over, whose future may complete at once (see
     :mod:`dcomm.ddp._backward_works`); None for a Python caller, who gets torch's contract.
     """
+    plan = _in_place_plan(group, tensor.dtype, tensor.device)
     if bucket is None:
-        plan = _in_place_plan(group, tensor.dtype, tensor.device)
         return allreduce_future(tensor, group, predivide=plan.pre, postdivide=plan.post, op=plan.op)
-    options, pre = _in_place_launch(group, tensor.dtype, tensor.device)
-    if pre != 1.0:
-        tensor.div_(pre)  # the in-place plan divides only before the sum
-    if tensor.is_complex():  # reduced as its real view
-        work = start_allreduce(tensor, group, options.reduceOp)
-    else:
-        work = group.allreduce([tensor], options)
-    return defer_to_last_bucket(group, work, bucket, tensor)
-
-
-@functools.lru_cache(maxsize=64)
-def _in_place_launch(
-    group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device
-) -> tuple[dist.AllreduceOptions, float]:
-    """:func:`_in_place_plan` as the allreduce options to launch with (made once) and the pre-division."""
-    plan = _in_place_plan(group, dtype, device)
-    return allreduce_options(plan.op), plan.pre
+    if plan.pre != 1.0:
+        tensor.div_(plan.pre)  # the in-place plan divides only before the sum
+    return defer_to_last_bucket(group, start_allreduce(tensor, group, plan.op), bucket, tensor)
 
 
 def _low_precision_copy(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

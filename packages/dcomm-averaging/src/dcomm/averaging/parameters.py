@@ -250,7 +250,7 @@ def _average_in_place(
         options.asyncOp = True
     packed_at = set(small)
     large = [t for i, t in enumerate(tensors) if i not in packed_at] if small else tensors
-    launched: list[tuple[Any, list[torch.Tensor]]] = []
+    launched: list[tuple[dist.Work, list[torch.Tensor]]] = []
     for start in range(0, len(large), launch_max_tensors):
         chunk = large[start : start + launch_max_tensors]
         if pre != 1.0:

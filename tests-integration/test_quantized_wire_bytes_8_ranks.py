@@ -13,8 +13,6 @@ exactly the ring's bytes, ratio 1, so the 0.27 bound would catch a hook that sen
 from __future__ import annotations
 
 import contextlib
-import pathlib
-import sys
 from collections.abc import Iterator
 from fractions import Fraction
 
@@ -25,34 +23,14 @@ import torch.distributed as dist
 from dcomm.core import payload_bytes, quantized_average_bytes
 from dcomm.core.quantized_average import chunk_numel
 from dcomm.ddp import QuantizedState, fp8_compress_hook, int8_compress_hook, quantized_allreduce_bytes
-from dcomm_testing import quantization_half_step, run_ranks, spread_normal
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tools.demo_lm.comm_bytes import CommCounter  # noqa: E402
+from dcomm_testing import BucketStub, quantization_half_step, run_ranks, spread_normal
+from tools.demo_lm.comm_bytes import CommCounter
 
 WORLD = 8
 TIMEOUT = 150.0
 HOOKS = {"int8": int8_compress_hook, "fp8": fp8_compress_hook}
 BLOCK = 256  # the hooks' default block size
 MAX_RATIO = 0.27
-
-
-class Bucket:
-    """The part of ``dist.GradBucket`` the hooks use, around a given flat gradient."""
-
-    def __init__(self, buffer: torch.Tensor) -> None:
-        self._buffer = buffer
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def index(self) -> int:
-        return 0
-
-    def is_last(self) -> bool:
-        return True
 
 
 def wire_bytes(by_collective: dict[str, int], world: int) -> Fraction:
@@ -94,7 +72,7 @@ def _measure(rank: int, world: int, numel: int) -> dict[str, tuple[dict[str, int
         state = QuantizedState(None, error_feedback=True)  # as registered with DDP; first step: no carried error
         buffer = grad.clone()
         with sent_per_collective(counter) as sent:
-            out = hook(state, Bucket(buffer)).wait()
+            out = hook(state, BucketStub(True, buffer=buffer)).wait()
         counted[fmt] = (sent, state.bytes_sent)
         assert out is buffer, fmt
         # Every rank holds the same average, bit for bit.

@@ -294,7 +294,7 @@ def cpu_record_stream_is_noop() -> contextlib.AbstractContextManager[None]:
 
 
 class BucketStub:
-    """What some hook code reads from a ``dist.GradBucket``: its index and whether it is the last.
+    """What hook code reads from a ``dist.GradBucket``: its index, whether it is the last, its buffer.
 
     Example::
 
@@ -302,11 +302,16 @@ class BucketStub:
         True
     """
 
-    def __init__(self, last: bool, index: int = 0) -> None:
-        self.last, self._index = last, index
+    def __init__(self, last: bool, index: int = 0, buffer: torch.Tensor | None = None) -> None:
+        self.last, self._index, self._buffer = last, index, buffer
 
     def is_last(self) -> bool:
         return self.last
 
     def index(self) -> int:
         return self._index
+
+    def buffer(self) -> torch.Tensor:
+        if self._buffer is None:
+            raise ValueError("buffer: this BucketStub was built without one; pass BucketStub(..., buffer=tensor)")
+        return self._buffer

@@ -117,3 +117,12 @@ if register_runner is not None:
             if torch.cuda.device_count() < RANKS:
                 pytest.skip(f"needs {RANKS} CUDA GPUs (this block runs on NCCL)")
             super().runtest(test, args)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build dcomm.ddp's C++ hooks once, before any test starts ranks that would all wait for the build."""
+    try:
+        from dcomm.ddp import native_hooks_available
+    except ImportError:  # dcomm-ddp not installed in this environment
+        return
+    native_hooks_available()

@@ -3,7 +3,10 @@
 ``python floor`` is a reference for what DDP's call of *any* Python hook costs: the least a hook
 can do (one allreduce of the bucket with the averaging arithmetic, waited for at the last
 bucket, a completed future). dcomm's ``allreduce_hook`` is compared with it, so the share of its
-distance to the built-in that belongs to DDP's Python hook mechanism is visible.
+distance to the built-in that belongs to DDP's Python hook mechanism is visible. dcomm's hooks run
+in C++ on the reducer (``dcomm.ddp.native_hooks``); each ``dcomm <hook> python`` variant registers
+the same hook with ``DCOMM_NATIVE_HOOKS=0``, so the rows ``ddp/<hook> C++ vs python`` show what the
+C++ path saves.
 
 Example::
 
@@ -15,6 +18,9 @@ Example::
 # No ``from __future__ import annotations``: DDP checks a hook's annotations against the real
 # ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` objects, not strings.
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,17 +31,43 @@ from tools.bench.ab import Case, Pair, Variant
 from tools.bench.cases.common import Context, add_versions, sgd_variant
 from tools.impls import resolve
 
-__all__ = ["DDP_HOOKS", "FloorState", "build_ddp", "build_python_floor", "ddp_case", "python_floor_hook"]
+__all__ = [
+    "DDP_HOOKS",
+    "FloorState",
+    "build_ddp",
+    "build_python_floor",
+    "ddp_case",
+    "python_floor_hook",
+    "python_hooks",
+]
 
 DDP_HOOKS = {"allreduce": "allreduce_hook", "fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook"}
 
 
-def build_ddp(ctx: Context, hook: tuple[str, str] | None) -> Variant:
-    """A DDP training step (SGD) with ``hook = (impl, row name)``, or DDP's built-in allreduce."""
+@contextlib.contextmanager
+def python_hooks() -> Iterator[None]:
+    """Register dcomm's averaging hooks as Python hooks (``DCOMM_NATIVE_HOOKS=0``) inside."""
+    saved = os.environ.get("DCOMM_NATIVE_HOOKS")
+    os.environ["DCOMM_NATIVE_HOOKS"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("DCOMM_NATIVE_HOOKS")
+        else:
+            os.environ["DCOMM_NATIVE_HOOKS"] = saved
+
+
+def build_ddp(ctx: Context, hook: tuple[str, str] | None, python: bool = False) -> Variant:
+    """A DDP training step (SGD) with ``hook = (impl, row name)``, or DDP's built-in allreduce.
+
+    ``python``: register dcomm's hook as a Python hook rather than C++ on the reducer.
+    """
     ddp = ctx.ddp(ctx.model())
     if hook is not None:
         impl, name = hook
-        ddp.register_comm_hook(None, resolve(impl, DDP_HOOKS[name]))
+        with python_hooks() if python else contextlib.nullcontext():
+            ddp.register_comm_hook(None, resolve(impl, DDP_HOOKS[name]))
     return sgd_variant(ctx, ddp)
 
 
@@ -77,4 +109,8 @@ def ddp_case(ctx: Context) -> Case:
     for name in DDP_HOOKS:
         add_versions(case, f"ddp/{name}", name, lambda impl, name=name: build_ddp(ctx, (impl, name)), "builtin")
     case.pairs.append(Pair("ddp/allreduce vs python floor", "dcomm allreduce", "python floor", "dcomm/reference"))
+    for name in DDP_HOOKS:
+        python = f"dcomm {name} python"
+        case.variants[python] = lambda name=name: build_ddp(ctx, ("dcomm", name), python=True)
+        case.pairs.append(Pair(f"ddp/{name} C++ vs python", f"dcomm {name}", python, "dcomm/reference"))
     return case

@@ -14,6 +14,8 @@ Example::
 from dcomm.ddp.__about__ import __version__
 from dcomm.ddp.compress_wrappers import bf16_compress_wrapper, fp16_compress_wrapper
 from dcomm.ddp.default_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from dcomm.ddp.native_hooks import install as _install_native_hooks
+from dcomm.ddp.native_hooks import native_hooks_available
 from dcomm.ddp.post_local_sgd import PostLocalSGDState, post_localSGD_hook
 from dcomm.ddp.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from dcomm.ddp.quantized_hooks import (
@@ -36,6 +38,8 @@ __all__ = [
     "allreduce_hook",
     "fp16_compress_hook",
     "bf16_compress_hook",
+    # native_hooks
+    "native_hooks_available",
     # compress_wrappers
     "fp16_compress_wrapper",
     "bf16_compress_wrapper",
@@ -58,3 +62,5 @@ __all__ = [
     "step_mode_of",
     "wait_for_parameters",
 ]
+
+_install_native_hooks()  # dcomm's averaging hooks run in C++ on DDP's reducer (native_hooks)

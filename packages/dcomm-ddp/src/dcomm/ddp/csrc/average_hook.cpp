@@ -1,0 +1,132 @@
+// A DDP communication hook in C++: average a bucket with one allreduce, optionally in a lower
+// precision. DDP's reducer calls it without entering Python, as it does its built-in hooks.
+//
+// The arithmetic comes from Python, once per (dtype, device): a callable gives the divisor to
+// apply before the sum, the reduce op, and the dtype to send in (None: in place). Buckets this
+// hook does not handle (sparse or complex gradients) go to the Python hook it stands for.
+#include <torch/extension.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/python_comm_hook.h>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+
+#include <map>
+#include <mutex>
+#include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace {
+
+struct Plan {
+  double divisor;  // applied before the sum; 1 means none
+  at::Tensor divisor_as_tensor;  // the same number, as Python passes it to an out= division
+  c10d::ReduceOp op;
+  std::optional<at::ScalarType> wire;  // the dtype sent, when it differs from the bucket's
+};
+
+class AverageHook final : public c10d::CommHookInterface {
+ public:
+  AverageHook(c10::intrusive_ptr<c10d::ProcessGroup> group, py::object plan_for, py::object state,
+              py::object python_hook)
+      : group_(std::move(group)),
+        plan_for_(std::move(plan_for)),
+        python_(std::move(state), std::move(python_hook)) {}
+
+  ~AverageHook() override {
+    py::gil_scoped_acquire gil;
+    plan_for_ = py::object();
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    const at::Tensor& buffer = bucket.getBufferRef();
+    if (buffer.is_sparse() || buffer.is_complex() || !buffer.is_floating_point()) {
+      return python_.runHook(bucket);
+    }
+    const Plan& plan = planFor(buffer);
+    at::Tensor sent = buffer;
+    if (plan.wire.has_value()) {
+      sent = lowPrecisionCopy(bucket.getIndex(), buffer, *plan.wire);
+      if (plan.divisor == 1.0) {
+        sent.copy_(buffer);
+      } else {
+        at::div_out(sent, buffer, plan.divisor_as_tensor);  // cast and divide: one kernel
+      }
+    } else if (plan.divisor != 1.0) {
+      sent.div_(plan.divisor);
+    }
+    std::vector<at::Tensor> tensors{sent};
+    c10d::AllreduceOptions options;
+    options.reduceOp = plan.op;
+    return group_->allreduce(tensors, options)->getFuture();
+  }
+
+  at::Tensor parseHookResult(const c10::IValue& result) override {
+    if (result.isPyObject()) {
+      return python_.parseHookResult(result);
+    }
+    return c10d::detail::parseCppCommHookResult(result);
+  }
+
+ private:
+  const Plan& planFor(const at::Tensor& buffer) {
+    auto key = std::make_tuple(buffer.scalar_type(), buffer.device().type(), buffer.device().index());
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = plans_.find(key);
+    if (found != plans_.end()) {
+      return found->second;
+    }
+    py::gil_scoped_acquire gil;
+    py::detail::loader_life_support keep_conversions;  // casts below may make temporaries
+    auto answer = plan_for_(buffer.scalar_type(), buffer.device()).cast<py::tuple>();
+    py::object op = answer[1];
+    double divisor = answer[0].cast<double>();
+    at::Tensor divisor_as_tensor = at::scalar_tensor(divisor, at::kDouble);
+    divisor_as_tensor.unsafeGetTensorImpl()->set_wrapped_number(true);
+    Plan plan{divisor, divisor_as_tensor,
+              py::isinstance<c10d::ReduceOp>(op) ? op.cast<c10d::ReduceOp>()
+                                                 : c10d::ReduceOp(op.cast<c10d::ReduceOp::RedOpType>()),
+              answer[2].cast<std::optional<at::ScalarType>>()};
+    return plans_.emplace(key, std::move(plan)).first->second;
+  }
+
+  // The bucket's low-precision copy, kept from one backward pass to the next: DDP waits for a
+  // bucket's future, and on CUDA orders its stream after it, before it runs the hook on that
+  // bucket again.
+  at::Tensor& lowPrecisionCopy(size_t index, const at::Tensor& buffer, at::ScalarType dtype) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (low_.size() <= index) {
+      low_.resize(index + 1);
+    }
+    at::Tensor& low = low_[index];
+    if (!low.defined() || low.scalar_type() != dtype || low.sizes() != buffer.sizes() ||
+        low.device() != buffer.device()) {
+      low = at::empty(buffer.sizes(), buffer.options().dtype(dtype));
+    }
+    return low;
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  py::object plan_for_;
+  c10d::PythonCommHook python_;
+  std::mutex mutex_;
+  std::map<std::tuple<at::ScalarType, at::DeviceType, at::DeviceIndex>, Plan> plans_;
+  std::vector<at::Tensor> low_;
+};
+
+void registerHook(const std::shared_ptr<c10d::Reducer>& reducer,
+                  const c10::intrusive_ptr<c10d::ProcessGroup>& group, py::object plan_for,
+                  py::object state, py::object python_hook) {
+  reducer->register_comm_hook(
+      std::make_unique<AverageHook>(group, std::move(plan_for), std::move(state), std::move(python_hook)));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("register_average_hook", &registerHook, py::arg("reducer"), py::arg("group"), py::arg("plan_for"),
+        py::arg("state"), py::arg("python_hook"),
+        "Register the C++ averaging hook on DDP's reducer (once, before the first backward).");
+}

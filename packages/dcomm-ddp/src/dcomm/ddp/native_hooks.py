@@ -1,0 +1,187 @@
+"""DDP's reducer runs dcomm's averaging hooks in C++, as it runs its own built-in allreduce.
+
+DDP calls a Python comm hook once per bucket on the autograd thread, and that call (taking the
+GIL, wrapping the bucket, unwrapping the returned future) costs 50-85 us per bucket: on a
+backward pass paced by its host, time the GPU waits. torch's built-in hooks avoid it, but
+``register_comm_hook`` accepts only Python callables. So importing :mod:`dcomm.ddp` wraps
+``torch.distributed._register_comm_hook``, the call that ``DistributedDataParallel.register_comm_hook``
+ends with: registering dcomm's :func:`~dcomm.ddp.allreduce_hook`,
+:func:`~dcomm.ddp.fp16_compress_hook` or :func:`~dcomm.ddp.bf16_compress_hook` puts a C++ hook with
+the same arithmetic on the reducer (bit-identical gradients); any other hook is registered as
+before. DDP's checks, its logged hook name and ``ddp._comm_hooks`` are unchanged. Buckets the
+C++ hook does not handle (sparse or complex gradients) are passed to the Python hook.
+
+The C++ hook is compiled on first use by torch's extension builder (about 40 s on 2 cores, then
+cached in ``TORCH_EXTENSIONS_DIR``, one build per torch version). It needs a C++ compiler and
+ninja (a dependency of dcomm-ddp); where it cannot be built, a warning says why, once, and the
+Python hooks run. Set ``DCOMM_NATIVE_HOOKS=0`` to keep the Python hooks.
+
+Example::
+
+    >>> from dcomm.ddp import bf16_compress_hook, native_hooks_available
+    >>> ddp_model.register_comm_hook(None, bf16_compress_hook)  # the reducer runs it in C++  # doctest: +SKIP
+    >>> native_hooks_available()  # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dcomm.core import resolve_group
+from dcomm.ddp.default_hooks import (
+    _cached_plan,
+    _in_place_plan,
+    allreduce_hook,
+    bf16_compress_hook,
+    fp16_compress_hook,
+)
+
+__all__ = ["native_hooks_available"]
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "DCOMM_NATIVE_HOOKS"
+_SOURCE = Path(__file__).with_name("csrc") / "average_hook.cpp"
+
+# The hooks that have a C++ twin, and the dtype each sends in (None: the bucket's own).
+_WIRE_DTYPE: dict[Callable[..., Any], torch.dtype | None] = {
+    allreduce_hook: None,
+    fp16_compress_hook: torch.float16,
+    bf16_compress_hook: torch.bfloat16,
+}
+
+
+def native_hooks_available() -> bool:
+    """Whether registering dcomm's averaging hooks gives DDP's reducer a C++ hook.
+
+    False when ``DCOMM_NATIVE_HOOKS=0`` or when the C++ hook cannot be built here (a warning
+    said why). The first call builds it, or loads it from torch's extension cache.
+
+    Example::
+
+        >>> native_hooks_available()  # doctest: +SKIP
+        True
+    """
+    return _enabled() and _extension() is not None
+
+
+def _enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@functools.cache
+def _extension() -> Any | None:
+    """The compiled C++ hook module, built on first use; None (with one warning) if it cannot be."""
+    from torch.utils import cpp_extension
+
+    # One build per source and torch version: the module binds torch's C++ classes.
+    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    logger.info("dcomm.ddp: loading the C++ DDP hooks (built once per torch version, about 40 s)")
+    try:
+        with _ninja_on_path():
+            return cpp_extension.load(
+                name=f"dcomm_ddp_native_{digest}", sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False
+            )
+    except Exception as error:  # any build or load failure leaves the Python hooks, which are correct
+        warnings.warn(
+            f"dcomm.ddp: the C++ DDP hooks could not be built ({type(error).__name__}: {error}); DDP runs "
+            f"dcomm's Python hooks instead (same results, more host time per bucket). Install a C++ "
+            f"compiler and ninja, or set {ENV_SWITCH}=0 to silence this",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """Put the ninja of the ``ninja`` package on PATH for the build, when none is there already.
+
+    torch's builder runs ``ninja`` from PATH; a virtual environment used without activating it
+    has the package's binary but not on PATH.
+    """
+    if shutil.which("ninja") is not None:
+        yield
+        return
+    try:
+        from ninja import BIN_DIR
+    except ImportError:
+        yield
+        return
+    saved = os.environ.get("PATH", "")
+    os.environ["PATH"] = BIN_DIR + os.pathsep + saved
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
+
+
+def _planner(group: dist.ProcessGroup, wire: torch.dtype | None) -> Callable[..., tuple[float, Any, Any]]:
+    """For the C++ hook, once per bucket dtype and device: (divisor before the sum, op, dtype sent).
+
+    The plans are the Python hooks' own, so the two paths do the same arithmetic.
+    """
+
+    def plan_for(dtype: torch.dtype, device: torch.device) -> tuple[float, Any, torch.dtype | None]:
+        if wire is None or dtype == wire:
+            plan = _in_place_plan(group, dtype, device)
+            sent = None
+        else:
+            plan = _cached_plan(group, dtype, device)
+            sent = wire
+        if plan.post != 1.0:
+            raise AssertionError(f"the hooks divide before the sum only, got post={plan.post}")
+        return plan.pre, plan.op, sent
+
+    return plan_for
+
+
+def _as_python_caller(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` called from a Python frame, so that its future follows torch's contract.
+
+    Called straight from the reducer, dcomm's hooks return futures that complete at once and wait
+    for every bucket's collective at the last bucket; a bucket the C++ hook passes on must have a
+    future of its own instead.
+    """
+
+    def python_caller(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return hook(state, bucket)
+
+    return python_caller
+
+
+def _register_comm_hook(reducer: Any, state: object, comm_hook: Callable[..., Any]) -> None:
+    """torch's ``_register_comm_hook``, with a C++ hook on the reducer for dcomm's averaging hooks."""
+    native = comm_hook in _WIRE_DTYPE and (state is None or isinstance(state, dist.ProcessGroup))
+    extension = _extension() if native and _enabled() else None
+    if extension is None:
+        # Any other hook or state (the Python hook raises on a bad state, as torch's does).
+        _TORCH_REGISTER(reducer, state, comm_hook)
+        return
+    group = resolve_group(state)  # type: ignore[arg-type]
+    extension.register_average_hook(
+        reducer, group, _planner(group, _WIRE_DTYPE[comm_hook]), state, _as_python_caller(comm_hook)
+    )
+
+
+# torch's own binding, from where it is defined (``dist``'s name for it is the one wrapped).
+_TORCH_REGISTER: Callable[..., None] = torch._C._distributed_c10d._register_comm_hook
+
+
+def install() -> None:
+    """Wrap ``torch.distributed._register_comm_hook`` (once; :mod:`dcomm.ddp` calls this on import)."""
+    if getattr(dist, "_register_comm_hook", None) is not _register_comm_hook:
+        dist._register_comm_hook = _register_comm_hook

@@ -1,0 +1,185 @@
+"""The C++ hooks DDP's reducer gets for dcomm's averaging hooks, against the Python hooks and torch's.
+
+Registering ``allreduce_hook``, ``fp16_compress_hook`` or ``bf16_compress_hook`` with
+``ddp.register_comm_hook`` puts a C++ hook on the reducer (``dcomm.ddp.native_hooks``); with
+``DCOMM_NATIVE_HOOKS=0`` the Python hook runs. Both must give the same parameters, bit for bit,
+and the C++ path must not enter the Python hook for a dense real bucket.
+"""
+
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import dcomm.ddp.default_hooks as default_hooks
+from dcomm.ddp import allreduce_hook, bf16_compress_hook, fp16_compress_hook, native_hooks
+from dcomm_testing import assert_close, assert_same_on_ranks, run_ranks, seeded_batch, seeded_mlp
+
+STEPS = 3
+BUCKET_CAPS = [0.0003] * 8  # every parameter in a bucket of its own
+
+
+@contextmanager
+def native(enabled: bool) -> Iterator[None]:
+    saved = os.environ.get(native_hooks.ENV_SWITCH)
+    os.environ[native_hooks.ENV_SWITCH] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[native_hooks.ENV_SWITCH]
+        else:
+            os.environ[native_hooks.ENV_SWITCH] = saved
+
+
+class Mixed(nn.Module):
+    """Parameters of several dtypes (one bucket dtype each) and, optionally, a complex one."""
+
+    def __init__(self, dtype: torch.dtype, complex_layer: bool = False) -> None:
+        super().__init__()
+        self.body = seeded_mlp(6, 12, 3, dtype=dtype)
+        self.other = seeded_mlp(6, 3, dtype=torch.float64)
+        torch.manual_seed(3)
+        self.spin = nn.Parameter(torch.randn(3, dtype=torch.complex64)) if complex_layer else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.body(x).float().pow(2).sum() + self.other(x.double()).pow(2).sum()
+        if self.spin is not None:
+            out = out + (self.spin * x[:, :3].to(torch.complex64)).abs().pow(2).sum()
+        return out
+
+
+def train(hook: Callable, state: object, dtype: torch.dtype, enabled: bool, complex_layer: bool = False) -> tuple:
+    """Parameters after STEPS steps, and how many times the Python hook ran."""
+    rank = dist.get_rank()
+    calls = []
+    original = default_hooks._check_group  # the first thing every Python hook call does
+
+    def counting(process_group: object, hook_name: str) -> dist.ProcessGroup:
+        calls.append(hook_name)
+        return original(process_group, hook_name)
+
+    default_hooks._check_group = counting
+    try:
+        net = Mixed(dtype, complex_layer)
+        ddp = DDP(net, bucket_cap_mb_list=BUCKET_CAPS)
+        with native(enabled):
+            ddp.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        for step in range(STEPS):
+            opt.zero_grad()
+            ddp(seeded_batch(rank, step, (5, 6), dtype=dtype)).backward()
+            opt.step()
+    finally:
+        default_hooks._check_group = original
+    return [p.detach().clone() for p in net.parameters()], len(calls)
+
+
+def _native_matches_python(rank: int, world: int) -> None:
+    assert native_hooks.native_hooks_available()
+    groups = [None]
+    if world == 4:  # also over a subgroup: pairs [0, 1] and [2, 3]
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        groups.append(pairs[rank // 2])
+    cases = [
+        (allreduce_hook, torch.float32),
+        (allreduce_hook, torch.float16),
+        (fp16_compress_hook, torch.float32),
+        (fp16_compress_hook, torch.float16),  # already fp16: averaged in place
+        (bf16_compress_hook, torch.float32),
+        (bf16_compress_hook, torch.bfloat16),
+    ]
+    for group in groups:
+        for hook, dtype in cases:
+            what = f"{hook.__name__}, {dtype} model, group {'WORLD' if group is None else 'pair'}"
+            ours, python_calls = train(hook, group, dtype, enabled=True)
+            reference, reference_calls = train(hook, group, dtype, enabled=False)
+            assert python_calls == 0, f"{what}: the C++ hook entered the Python hook {python_calls} times"
+            assert reference_calls >= 2 * STEPS, f"{what}: the Python hook ran {reference_calls} times"
+            assert_close(ours, reference, 0.0, what)
+            assert_same_on_ranks(ours, what, group)
+            if hook is allreduce_hook:
+                assert_close(ours, train(torch_hooks.allreduce_hook, group, dtype, enabled=True)[0], 0.0, what)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_native_hooks_match_python_hooks_bit_for_bit(world: int) -> None:
+    run_ranks(_native_matches_python, world, timeout=240)
+
+
+def _complex_and_sparse(rank: int, world: int) -> None:
+    # DDP buckets a complex gradient as its real view: it stays in C++, with torch's results.
+    ours, python_calls = train(allreduce_hook, None, torch.float32, enabled=True, complex_layer=True)
+    assert python_calls == 0, python_calls
+    torchs, _ = train(torch_hooks.allreduce_hook, None, torch.float32, enabled=True, complex_layer=True)
+    assert_close(ours, torchs, 0.0, "allreduce_hook with a complex parameter vs torch's")
+    # A sparse gradient's bucket goes to the Python hook, with a future of its own.
+    grads = {}
+    for name, hook in (("ours", allreduce_hook), ("torch", torch_hooks.allreduce_hook)):
+        torch.manual_seed(0)
+        table = nn.Embedding(10, 3, sparse=True)
+        ddp = DDP(table)
+        with native(True):
+            ddp.register_comm_hook(None, hook)
+        ddp(torch.tensor([rank, rank + 1, 7])).pow(2).sum().backward()
+        grads[name] = table.weight.grad.to_dense()
+    assert_close([grads["ours"]], [grads["torch"]], 0.0, "allreduce_hook on a sparse gradient vs torch's")
+    assert_same_on_ranks([grads["ours"]], "sparse gradient")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_complex_in_cpp_and_sparse_buckets_in_the_python_hook(world: int) -> None:
+    run_ranks(_complex_and_sparse, world, timeout=240)
+
+
+def test_switch_off_and_other_hooks_use_torchs_registration(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert dist._register_comm_hook is native_hooks._register_comm_hook  # installed by importing dcomm.ddp
+    native_hooks.install()  # twice is once
+    assert native_hooks._TORCH_REGISTER is torch._C._distributed_c10d._register_comm_hook
+    seen = []
+    monkeypatch.setattr(native_hooks, "_TORCH_REGISTER", lambda *args: seen.append(args[2]))
+    monkeypatch.setattr(native_hooks, "_extension", lambda: pytest.fail("the extension was asked for"))
+    with native(False):
+        assert not native_hooks.native_hooks_available()
+        native_hooks._register_comm_hook(object(), None, allreduce_hook)
+    native_hooks._register_comm_hook(object(), None, torch_hooks.allreduce_hook)
+    native_hooks._register_comm_hook(object(), "not a group", bf16_compress_hook)  # the Python hook raises later
+    assert seen == [allreduce_hook, torch_hooks.allreduce_hook, bf16_compress_hook]
+
+
+def test_build_failure_warns_once_and_keeps_the_python_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils import cpp_extension
+
+    def failing_load(**kwargs: object) -> None:
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(cpp_extension, "load", failing_load)
+    native_hooks._extension.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"C\+\+ DDP hooks could not be built \(RuntimeError: no compiler"):
+            assert not native_hooks.native_hooks_available()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not native_hooks.native_hooks_available()  # cached: no second warning
+        seen = []
+        monkeypatch.setattr(native_hooks, "_TORCH_REGISTER", lambda *args: seen.append(args[2]))
+        native_hooks._register_comm_hook(object(), None, fp16_compress_hook)
+        assert seen == [fp16_compress_hook]
+    finally:
+        native_hooks._extension.cache_clear()
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")
+def test_the_cpp_hook_builds_where_a_compiler_is() -> None:
+    # CI has one: the C++ hooks must build there, not silently fall back.
+    assert native_hooks.native_hooks_available()

@@ -16,7 +16,16 @@ TRAINING_CASES = ("ddp", "compression", "post-local-sgd", "zero", "fsdp", "fully
 EXPECTED_ROWS = {
     "averaging": {"averaging", "averaging/flattened"},
     "diloco": {"diloco"},
-    "ddp": {"ddp/allreduce", "ddp/fp16", "ddp/bf16", "ddp/python floor", "ddp/allreduce vs python floor"},
+    "ddp": {
+        "ddp/allreduce",
+        "ddp/fp16",
+        "ddp/bf16",
+        "ddp/python floor",
+        "ddp/allreduce vs python floor",
+        "ddp/allreduce C++ vs python",
+        "ddp/fp16 C++ vs python",
+        "ddp/bf16 C++ vs python",
+    },
     "compression": {
         "compression/int8",
         "compression/fp8",

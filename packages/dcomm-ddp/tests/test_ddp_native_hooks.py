@@ -183,3 +183,65 @@ def test_build_failure_warns_once_and_keeps_the_python_hooks(monkeypatch: pytest
 def test_the_cpp_hook_builds_where_a_compiler_is() -> None:
     # CI has one: the C++ hooks must build there, not silently fall back.
     assert native_hooks.native_hooks_available()
+
+
+def _counting(launch: Callable, counted: list[int]) -> Callable:
+    def counting(state: object, bucket: dist.GradBucket) -> object:
+        counted.append(1)
+        return launch(state, bucket)
+
+    return counting
+
+
+def _zero_overlap_in_cpp(rank: int, world: int) -> None:
+    # The fused ZeRO overlap step over allreduce_hook: once DDP settled its buckets, the C++ hook
+    # averages every bucket and calls the driver once per backward. Same parameters, bit for bit,
+    # as the Python hook (itself tested against non-overlapped ZeRO in test_ddp_zero_overlap.py).
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from dcomm.ddp import hook_with_zero_step, hook_with_zero_step_interleaved
+    from dcomm.ddp._zero.checks import HOOK_MARK
+
+    cases = [
+        (hook_with_zero_step, allreduce_hook, {}, {}),
+        (hook_with_zero_step, torch_hooks.allreduce_hook, {}, {}),
+        (hook_with_zero_step_interleaved, allreduce_hook, {"step_mode": "fused"}, {}),
+        (hook_with_zero_step, allreduce_hook, {}, {"find_unused_parameters": True}),  # stays in Python
+    ]
+    for builder, inner, options, ddp_options in cases:
+        what = f"{builder.__name__}({inner.__module__}.{inner.__name__}, {options}, {ddp_options})"
+        results, launches, switches = {}, {}, {}
+        for enabled in (True, False):
+            net = seeded_mlp(8, 16, 16, 4, activation=nn.ReLU)
+            ddp = DDP(net, bucket_cap_mb=0.001, **ddp_options)
+            zero = ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01)
+            hook = builder(inner, ddp, zero, **options)
+            with native(enabled):
+                ddp.register_comm_hook(None, hook)
+            driver = getattr(hook, HOOK_MARK)
+            counted: list[int] = []
+            driver.launch = _counting(driver.launch, counted)
+            per_step = []
+            for step in range(6):
+                zero.zero_grad(set_to_none=True)
+                ddp(seeded_batch(rank, step, (6, 8))).square().sum().backward()
+                per_step.append(len(counted))
+                counted.clear()
+            results[enabled] = [p.detach().clone() for p in net.parameters()]
+            launches[enabled], switches[enabled] = per_step, driver.native_switch
+        assert switches[False] is None, what
+        assert all(n >= 1 for n in launches[False]), (what, launches)
+        if ddp_options:
+            assert switches[True] is None, what  # registered as a Python hook
+            assert all(n >= 1 for n in launches[True]), (what, launches)
+        else:
+            assert switches[True].on, what
+            assert launches[True][-3:] == [0, 0, 0], (what, launches)
+        assert_close(results[True], results[False], 0.0, what)
+        assert_same_on_ranks(results[True], what)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_zero_overlap_fused_step_runs_from_cpp(world: int) -> None:
+    run_ranks(_zero_overlap_in_cpp, world, timeout=240)

@@ -8,7 +8,9 @@ reduce-scatter and one all-gather per bucket), also with ``gather_during_forward
 the next forward waits for each module's parameters). dcomm's variants choose their step path
 (``step_mode="auto"``, reported as ``step mode``); ``dcomm step fused``, ``dcomm step per_bucket``
 and their ``+rs`` forms force one. A ``reduce_scatter`` variant reports ``fallback_count`` of
-its hook: buckets allreduced instead, after DDP settled its buckets.
+its hook: buckets allreduced instead, after DDP settled its buckets. ``dcomm step python`` is
+``dcomm step`` kept a Python hook (``DCOMM_NATIVE_HOOKS=0``): the row ``zero/step C++ vs python``
+shows what averaging the buckets in C++ on DDP's reducer saves.
 
 Example::
 
@@ -19,12 +21,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
 
 from tools.bench.ab import Case, Pair, Variant
 from tools.bench.cases.common import LR, Context, add_versions, train_step
+from tools.bench.cases.ddp import python_hooks
 from tools.impls import resolve
 
 __all__ = ["ZERO_HOOKS", "build_zero", "zero_case"]
@@ -43,12 +47,13 @@ def build_zero(
     reduce_scatter: bool = False,
     step_mode: str | None = None,
     gather_during_forward: bool = False,
+    python: bool = False,
 ) -> Variant:
     """DDP + ZeroRedundancyOptimizer(Adam); ``overlap = (impl, hook row)`` steps inside backward.
 
     ``step_mode`` (dcomm only) forces a step path; None keeps the hook's default (``"auto"``).
     ``gather_during_forward`` (dcomm, with ``reduce_scatter``) lets the next forward wait for
-    each module's parameters.
+    each module's parameters. ``python`` (dcomm): register the hook as a Python hook only.
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -66,7 +71,8 @@ def build_zero(
     if gather_during_forward:
         extra["gather_during_forward"] = True
     hook = wrapper(resolve(impl, "allreduce_hook"), ddp, zero, **extra)
-    ddp.register_comm_hook(None, hook)
+    with python_hooks() if python else contextlib.nullcontext():
+        ddp.register_comm_hook(None, hook)
     if impl != "dcomm":
         return Variant(train_step(ctx, ddp, None))
     from dcomm.ddp import fallback_count, step_mode_of
@@ -103,4 +109,6 @@ def zero_case(ctx: Context) -> Case:
         variant = f"dcomm step{'+rs' if rs else ''} {mode}"
         case.variants[variant] = lambda mode=mode, rs=rs: build_zero(ctx, ("dcomm", "step"), rs, mode)
         case.pairs.append(Pair(f"zero/step{'+rs' if rs else ''} {mode}", variant, "no overlap", "dcomm/reference"))
+    case.variants["dcomm step python"] = lambda: build_zero(ctx, ("dcomm", "step"), python=True)
+    case.pairs.append(Pair("zero/step C++ vs python", "dcomm step", "dcomm step python", "dcomm/reference"))
     return case

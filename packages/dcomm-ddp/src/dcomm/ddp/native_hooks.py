@@ -163,8 +163,28 @@ def _as_python_caller(hook: Callable[..., Any]) -> Callable[..., Any]:
     return python_caller
 
 
+def _zero_driver(hook: object) -> Any | None:
+    """The driver of a ZeRO overlap hook whose buckets a C++ hook can average, else None."""
+    from dcomm.ddp._zero.checks import HOOK_MARK
+    from dcomm.ddp._zero.driver import Driver
+
+    driver = getattr(hook, HOOK_MARK, None)
+    return driver if isinstance(driver, Driver) and driver.can_run_in_cpp() else None
+
+
 def _register_comm_hook(reducer: Any, state: object, comm_hook: Callable[..., Any]) -> None:
-    """torch's ``_register_comm_hook``, with a C++ hook on the reducer for dcomm's averaging hooks."""
+    """torch's ``_register_comm_hook``, with a C++ hook on the reducer for dcomm's averaging hooks.
+
+    A ZeRO overlap hook whose fused step follows plain averaging gets a C++ hook that runs the
+    Python hook until the driver switches it on, then averages every bucket itself and calls the
+    driver once per backward, at the last bucket.
+    """
+    driver = _zero_driver(comm_hook)
+    if driver is not None and _enabled() and (extension := _extension()) is not None:
+        driver.native_switch = extension.register_average_hook(
+            reducer, driver.group, driver.plan_for_cpp, state, comm_hook, driver.run_last_bucket
+        )
+        return
     native = comm_hook in _WIRE_DTYPE and (state is None or isinstance(state, dist.ProcessGroup))
     extension = _extension() if native and _enabled() else None
     if extension is None:

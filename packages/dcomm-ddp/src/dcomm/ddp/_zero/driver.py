@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 import dcomm.ddp._torch_private as private
 from dcomm.core import all_gather_single, start_all_gather
 from dcomm.ddp._zero.layout import partition
-from dcomm.ddp._zero.step_mode import Calibration, log_fixed_choice
+from dcomm.ddp._zero.step_mode import Calibration, log_fixed_choice, logger
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 Checks = Callable[[Any], None]
@@ -129,6 +129,9 @@ class Driver:
         self.calibration = Calibration(self.group) if mode == "auto" else None
         self.mode = "per_bucket" if self.calibration is not None else mode  # this backward's path
         self.settled = False  # DDP has rebuilt its buckets: a plan checked since then stays valid
+        # Set when DDP's reducer runs this hook in C++ (dcomm.ddp.native_hooks): switched on, the
+        # C++ hook averages every bucket and calls :meth:`run_last_bucket` once per backward.
+        self.native_switch: Any = None
         self.frozen: dict[int, Any] = {}  # bucket index -> plan, checked after DDP settled
         # Fix every parameter's owner now, for good: the step can then run from iteration 1.
         private.clear_cache(zero)
@@ -143,6 +146,14 @@ class Driver:
         return ddp
 
     # -- what subclasses define -------------------------------------------------------------------
+
+    def can_run_in_cpp(self) -> bool:
+        """Whether a C++ hook can average every bucket and leave only the last one to Python."""
+        return False
+
+    def plan_for_cpp(self, dtype: torch.dtype, device: torch.device) -> tuple[float, Any, None]:
+        """The C++ hook's averaging of a bucket: (divisor before the sum, op, None: in place)."""
+        raise NotImplementedError
 
     def per_bucket_overlaps(self) -> bool:
         """Whether the per-bucket path overlaps any update with backward (else "auto" is "fused")."""
@@ -284,4 +295,36 @@ class Driver:
                     del self.plans[stale]
             self.end_backward()
             self.finish()
+            if self.native_switch is not None:
+                self._hand_over_to_cpp(index)
         return item.fut
+
+    # -- run by DDP's reducer in C++ ------------------------------------------------------------
+
+    def _hand_over_to_cpp(self, last_index: int) -> None:
+        """Switch the C++ hook on once this backward's path is final: fused, settled, every bucket planned."""
+        if self.mode != "fused" or self.calibration is not None or not self.settled or self.pending:
+            return
+        if sorted(self.frozen) != list(range(last_index + 1)):
+            return
+        self.native_switch.set(True)
+        if self.rank == 0:
+            logger.info(
+                "ZeRO overlap: DDP's reducer now averages every bucket in C++ and calls the fused step once "
+                "per backward pass, at its last bucket"
+            )
+
+    def run_last_bucket(self, indices: list[int], averaged: list[torch.Tensor]) -> None:
+        """The fused step, called by the C++ hook at the last bucket with every bucket averaged.
+
+        The C++ hook has ordered the current stream (CUDA) or the host after every bucket's
+        collective; ``averaged[i]`` is bucket ``indices[i]``'s averaged gradient.
+        """
+        self.begin_backward(averaged[0].device)
+        self.complete_all([self.averaged_item(index, tensor) for index, tensor in zip(indices, averaged, strict=True)])
+        self.end_backward()
+        self.finish()
+
+    def averaged_item(self, index: int, averaged: torch.Tensor) -> Any:
+        """What :meth:`launch` would have returned for bucket ``index``, already averaged into ``averaged``."""
+        raise NotImplementedError

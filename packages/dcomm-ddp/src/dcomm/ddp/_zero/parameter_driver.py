@@ -98,6 +98,17 @@ class ParameterDriver(Driver):
                 for p in bucket:
                     p.register_hook(_marks_used(self.used, id(p)))
 
+    def can_run_in_cpp(self) -> bool:
+        # The C++ hook averages as _launch does; which parameters some rank used it cannot tell.
+        return self.averages_itself and self.used is None
+
+    def plan_for_cpp(self, dtype: torch.dtype, device: torch.device) -> tuple[float, Any, None]:
+        plan = self._average_plan_for(dtype, device)
+        return plan.pre, plan.op, None
+
+    def averaged_item(self, index: int, averaged: torch.Tensor) -> _Update:
+        return _Update(self.frozen[index], completed_future(averaged), averaged.data_ptr())
+
     def per_bucket_overlaps(self) -> bool:
         # Without interleaving every bucket is updated at the last one, as on the fused path but
         # with one optimizer call per bucket: slower in every GPU measurement (4x H100, 2x H200).
@@ -177,19 +188,19 @@ class ParameterDriver(Driver):
         # reduction does (a premultiplied sum on NCCL), and hand DDP a completed future. The
         # allreduces are waited for at the last bucket, before DDP reads any bucket, so no bucket
         # pays for a future callback on the backward pass's thread.
-        average = self._average_plan(buffer)
+        average = self._average_plan_for(buffer.dtype, buffer.device)
         if average.pre != 1.0:
             buffer.div_(average.pre)
         work = start_allreduce(buffer, self.group, average.op)
         self.works.append(work)  # waited for at the last bucket (finish), before DDP reads any bucket
         return _Update(plan, completed_future(buffer), buffer.data_ptr(), work)
 
-    def _average_plan(self, buffer: torch.Tensor) -> AveragePlan:
-        key = (buffer.dtype, buffer.device)
+    def _average_plan_for(self, dtype: torch.dtype, device: torch.device) -> AveragePlan:
+        key = (dtype, device)
         plan = self.average_plans.get(key)
         if plan is None:
             plan = self.average_plans[key] = plan_average(
-                self.group, buffer.dtype, buffer.device, arithmetic="predivide", nccl_average=False
+                self.group, dtype, device, arithmetic="predivide", nccl_average=False
             )
         return plan
 

@@ -4,6 +4,12 @@
 // The arithmetic comes from Python, once per (dtype, device): a callable gives the divisor to
 // apply before the sum, the reduce op, and the dtype to send in (None: in place). Buckets this
 // hook does not handle (sparse or complex gradients) go to the Python hook it stands for.
+//
+// A hook may also be registered switched off, with a callable for its last bucket: it then runs
+// the Python hook for every bucket until Python switches it on. Switched on, it averages every
+// bucket itself and, at the last one, waits for them all (a stream wait on CUDA) and hands their
+// indices and averaged buffers to that callable: one Python call per backward pass instead of one
+// per bucket (ZeRO overlap's fused step).
 #include <torch/extension.h>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -11,7 +17,9 @@
 #include <torch/csrc/distributed/c10d/python_comm_hook.h>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
+#include <atomic>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <tuple>
@@ -27,26 +35,65 @@ struct Plan {
   std::optional<at::ScalarType> wire;  // the dtype sent, when it differs from the bucket's
 };
 
+// Whether a hook averages buckets itself (on) or passes them all to its Python hook (off).
+struct Switch {
+  std::atomic<bool> on{true};
+};
+
+struct Launched {
+  int64_t index;
+  at::Tensor averaged;
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+};
+
 class AverageHook final : public c10d::CommHookInterface {
  public:
   AverageHook(c10::intrusive_ptr<c10d::ProcessGroup> group, py::object plan_for, py::object state,
-              py::object python_hook)
+              py::object python_hook, py::object at_last, std::shared_ptr<Switch> native)
       : group_(std::move(group)),
         plan_for_(std::move(plan_for)),
+        at_last_(std::move(at_last)),
+        native_(std::move(native)),
         python_(std::move(state), std::move(python_hook)) {}
 
   ~AverageHook() override {
     py::gil_scoped_acquire gil;
     plan_for_ = py::object();
+    at_last_ = py::object();
   }
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
     const at::Tensor& buffer = bucket.getBufferRef();
-    if (buffer.is_sparse() || buffer.is_complex() || !buffer.is_floating_point()) {
+    if (!native_->on.load() || buffer.is_sparse() || buffer.is_complex() || !buffer.is_floating_point()) {
       return python_.runHook(bucket);
     }
+    at::Tensor sent;
+    auto future = average(bucket, buffer, sent);
+    if (!at_last_.is_none()) {
+      if (bucket.getIndex() == 0) {
+        launched_.clear();  // what an interrupted backward pass left
+      }
+      launched_.push_back({static_cast<int64_t>(bucket.getIndex()), sent, future});
+      if (bucket.isLast()) {
+        handOver();
+      }
+    }
+    return future;
+  }
+
+  at::Tensor parseHookResult(const c10::IValue& result) override {
+    if (result.isPyObject()) {
+      return python_.parseHookResult(result);
+    }
+    return c10d::detail::parseCppCommHookResult(result);
+  }
+
+ private:
+  // Launch the bucket's average; ``sent`` is the tensor the collective writes.
+  c10::intrusive_ptr<c10::ivalue::Future> average(c10d::GradBucket& bucket, const at::Tensor& buffer,
+                                                  at::Tensor& sent) {
     const Plan& plan = planFor(buffer);
-    at::Tensor sent = buffer;
+    sent = buffer;
     if (plan.wire.has_value()) {
       sent = lowPrecisionCopy(bucket.getIndex(), buffer, *plan.wire);
       if (plan.divisor == 1.0) {
@@ -63,14 +110,24 @@ class AverageHook final : public c10d::CommHookInterface {
     return group_->allreduce(tensors, options)->getFuture();
   }
 
-  at::Tensor parseHookResult(const c10::IValue& result) override {
-    if (result.isPyObject()) {
-      return python_.parseHookResult(result);
+  // The last bucket: order the current stream (CUDA) or the host (gloo) after every bucket's
+  // collective, then give Python the averaged buckets in one call.
+  void handOver() {
+    std::vector<Launched> launched;
+    launched.swap(launched_);
+    for (auto& item : launched) {
+      item.future->wait();
     }
-    return c10d::detail::parseCppCommHookResult(result);
+    py::gil_scoped_acquire gil;
+    py::list indices;
+    py::list averaged;
+    for (auto& item : launched) {
+      indices.append(item.index);
+      averaged.append(item.averaged);
+    }
+    at_last_(indices, averaged);
   }
 
- private:
   const Plan& planFor(const at::Tensor& buffer) {
     auto key = std::make_tuple(buffer.scalar_type(), buffer.device().type(), buffer.device().index());
     std::lock_guard<std::mutex> lock(mutex_);
@@ -110,23 +167,32 @@ class AverageHook final : public c10d::CommHookInterface {
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   py::object plan_for_;
+  py::object at_last_;  // None for a plain averaging hook
+  std::shared_ptr<Switch> native_;
+  std::vector<Launched> launched_;  // this backward pass's buckets so far (with at_last_ only)
   c10d::PythonCommHook python_;
   std::mutex mutex_;
   std::map<std::tuple<at::ScalarType, at::DeviceType, at::DeviceIndex>, Plan> plans_;
   std::vector<at::Tensor> low_;
 };
 
-void registerHook(const std::shared_ptr<c10d::Reducer>& reducer,
-                  const c10::intrusive_ptr<c10d::ProcessGroup>& group, py::object plan_for,
-                  py::object state, py::object python_hook) {
-  reducer->register_comm_hook(
-      std::make_unique<AverageHook>(group, std::move(plan_for), std::move(state), std::move(python_hook)));
+std::shared_ptr<Switch> registerHook(const std::shared_ptr<c10d::Reducer>& reducer,
+                                     const c10::intrusive_ptr<c10d::ProcessGroup>& group, py::object plan_for,
+                                     py::object state, py::object python_hook, py::object at_last) {
+  auto native = std::make_shared<Switch>();
+  native->on.store(at_last.is_none());  // with a last-bucket callable, Python switches it on
+  reducer->register_comm_hook(std::make_unique<AverageHook>(group, std::move(plan_for), std::move(state),
+                                                            std::move(python_hook), std::move(at_last), native));
+  return native;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Switch, std::shared_ptr<Switch>>(m, "Switch")
+      .def("set", [](Switch& self, bool on) { self.on.store(on); }, py::arg("on"))
+      .def_property_readonly("on", [](const Switch& self) { return self.on.load(); });
   m.def("register_average_hook", &registerHook, py::arg("reducer"), py::arg("group"), py::arg("plan_for"),
-        py::arg("state"), py::arg("python_hook"),
-        "Register the C++ averaging hook on DDP's reducer (once, before the first backward).");
+        py::arg("state"), py::arg("python_hook"), py::arg("at_last") = py::none(),
+        "Register the C++ averaging hook on DDP's reducer (once, before the first backward); return its switch.");
 }

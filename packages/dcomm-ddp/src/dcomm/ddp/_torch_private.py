@@ -32,6 +32,7 @@ from dcomm.core.torch_private import private_member
 
 _ZERO = "the ZeroRedundancyOptimizer internals that ZeRO overlap drives"
 _DDP = "the DDP bucketing that ZeRO overlap predicts"
+_HOOKS = "the registration of DDP comm hooks that dcomm.ddp.native_hooks wraps"
 
 
 def _read(owner: object, name: str, what: str) -> Any:
@@ -134,6 +135,25 @@ def bucket_assignment(tensors: list[torch.Tensor], caps: list[int]) -> list[list
     return [list(bucket) for bucket in indices]
 
 
+# -- comm hook registration (dcomm.ddp.native_hooks) ----------------------------------------------
+
+
+def register_comm_hook_binding() -> Callable[..., None]:
+    """torch's own ``_register_comm_hook(reducer, state, hook)``, from the C++ module that defines it."""
+    return _read(torch._C._distributed_c10d, "_register_comm_hook", _HOOKS)
+
+
+def registered_comm_hook_function() -> Callable[..., None]:
+    """What ``DistributedDataParallel.register_comm_hook`` calls: ``torch.distributed._register_comm_hook``."""
+    return _read(dist, "_register_comm_hook", _HOOKS)
+
+
+def replace_registered_comm_hook_function(function: Callable[..., None]) -> None:
+    """Make ``DistributedDataParallel.register_comm_hook`` end with ``function(reducer, state, hook)``."""
+    registered_comm_hook_function()  # fails loudly if torch no longer has it
+    dist._register_comm_hook = function
+
+
 def missing_members(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer) -> list[str]:
     """The members read above that this torch lacks (``ddp`` and ``zero``: any live instances)."""
     checks: list[Callable[[], object]] = [
@@ -154,6 +174,8 @@ def missing_members(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer)
         lambda: has_rebuilt_buckets(ddp),
         lambda: bucket_caps(ddp),
         lambda: _read(dist, "_compute_bucket_assignment_by_size", _DDP),
+        register_comm_hook_binding,
+        registered_comm_hook_function,
     ]
     missing = []
     for check in checks:

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import dcomm.ddp._torch_private as private
 from dcomm.core import resolve_group
 from dcomm.ddp.default_hooks import (
     _cached_plan,
@@ -198,10 +199,10 @@ def _register_comm_hook(reducer: Any, state: object, comm_hook: Callable[..., An
 
 
 # torch's own binding, from where it is defined (``dist``'s name for it is the one wrapped).
-_TORCH_REGISTER: Callable[..., None] = torch._C._distributed_c10d._register_comm_hook
+_TORCH_REGISTER: Callable[..., None] = private.register_comm_hook_binding()
 
 
 def install() -> None:
     """Wrap ``torch.distributed._register_comm_hook`` (once; :mod:`dcomm.ddp` calls this on import)."""
-    if getattr(dist, "_register_comm_hook", None) is not _register_comm_hook:
-        dist._register_comm_hook = _register_comm_hook
+    if private.registered_comm_hook_function() is not _register_comm_hook:
+        private.replace_registered_comm_hook_function(_register_comm_hook)

@@ -74,6 +74,38 @@ def scenario_ddp_compress_hooks(rank: int, world_size: int) -> None:
         assert len(rank_groups(ours)) == 1, f"{hook.__qualname__}: replicas differ"
 
 
+@scenario()
+def scenario_ddp_hooks_in_cpp(rank: int, world_size: int) -> None:
+    # DDP's reducer runs dcomm's averaging hooks in C++ (dcomm.ddp.native_hooks): the same
+    # parameters, bit for bit, as the Python hooks, without entering them.
+    import os
+
+    import dcomm.ddp.default_hooks as default_hooks
+    from dcomm.ddp import native_hooks, native_hooks_available
+
+    assert native_hooks_available(), "the C++ hooks did not build on this host"
+    calls: list[str] = []
+    original = default_hooks._check_group  # the first thing every Python hook call does
+
+    def counting(process_group: object, hook: str) -> dist.ProcessGroup:
+        calls.append(hook)
+        return original(process_group, hook)
+
+    default_hooks._check_group = counting
+    try:
+        for hook in (allreduce_hook, fp16_compress_hook, bf16_compress_hook):
+            results = {}
+            for enabled in ("1", "0"):
+                os.environ[native_hooks.ENV_SWITCH] = enabled
+                calls.clear()
+                results[enabled] = _Run(hook, None).train()
+                assert (len(calls) == 0) == (enabled == "1"), f"{hook.__qualname__}: {len(calls)} Python calls"
+            assert_close(results["1"], results["0"], 0.0, f"{hook.__qualname__}: C++ vs Python")
+    finally:
+        default_hooks._check_group = original
+        os.environ.pop(native_hooks.ENV_SWITCH, None)
+
+
 @scenario(world_size_multiple=2)
 def scenario_ddp_post_local_sgd(rank: int, world_size: int) -> None:
     pairs, _ = subgroups_of_size(2)

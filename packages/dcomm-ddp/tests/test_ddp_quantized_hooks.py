@@ -14,6 +14,7 @@ from dcomm.core.quantization import max_code
 from dcomm.core.quantized_average import chunk_numel
 from dcomm.ddp import QuantizedState, fp8_compress_hook, int8_compress_hook, quantized_allreduce_bytes
 from dcomm_testing import (
+    BucketStub,
     assert_same_on_ranks,
     assert_updates_close,
     quantization_half_step,
@@ -29,20 +30,9 @@ HOOKS = {"int8": int8_compress_hook, "fp8": fp8_compress_hook}
 BLOCK = 32
 
 
-class Bucket:
-    """The part of ``dist.GradBucket`` the hooks use, around a given flat gradient."""
-
-    def __init__(self, buffer: torch.Tensor, index: int = 0) -> None:
-        self._buffer, self._index = buffer, index
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def index(self) -> int:
-        return self._index
-
-    def is_last(self) -> bool:
-        return True
+def last_bucket(buffer: torch.Tensor, index: int = 0) -> BucketStub:
+    """A last bucket around ``buffer``: the part of ``dist.GradBucket`` the hooks use."""
+    return BucketStub(True, index, buffer)
 
 
 def grad(rank: int, step: int, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -59,7 +49,7 @@ def _bounds_and_bytes(rank: int, world: int) -> None:
             state = QuantizedState(None, error_feedback=False, block_size=BLOCK)
             state._pattern = pattern  # internal switch of the exchange, for measurements
             buffer = grads[rank].to(dtype, copy=True)
-            out = hook(state, Bucket(buffer)).wait()
+            out = hook(state, last_bucket(buffer)).wait()
             assert out is buffer
             # The ranks' roundings, averaged, plus (two-shot) the average's own re-quantization
             # (bounded through the exact mean plus the first stage's error), plus the bucket's own
@@ -82,8 +72,8 @@ def _bounds_and_bytes(rank: int, world: int) -> None:
             assert state.bytes_sent == sent == quantized_average_bytes(numel, world, fmt, BLOCK, pattern)
             assert pattern == "all_gather" or sent == quantized_allreduce_bytes(numel, world, fmt, BLOCK)
     # A None state: WORLD, no error feedback, same result as an explicit state without it.
-    a = int8_compress_hook(None, Bucket(grads[rank].clone())).wait()
-    b = int8_compress_hook(QuantizedState(None, error_feedback=False), Bucket(grads[rank].clone())).wait()
+    a = int8_compress_hook(None, last_bucket(grads[rank].clone())).wait()
+    b = int8_compress_hook(QuantizedState(None, error_feedback=False), last_bucket(grads[rank].clone())).wait()
     assert torch.equal(a, b)
 
 
@@ -118,7 +108,7 @@ def _error_feedback(rank: int, world: int) -> None:
             for step in range(steps):
                 g = steady_grad(rank, step, numel, fmt)
                 exact += sum(steady_grad(r, step, numel, fmt).double() for r in range(world)) / world
-                applied += hook(state, Bucket(g)).wait().double()
+                applied += hook(state, last_bucket(g)).wait().double()
                 worst = max(worst, (applied - exact).abs().max().item())
             gaps[feedback] = ((applied - exact).abs().max().item(), worst)
         # With feedback the running sums never drift apart by more than a few quantization steps
@@ -143,7 +133,7 @@ def _overflowed_step(rank: int, world: int) -> None:
             g = grad(rank, step, numel)
             if step == 1 and rank == 0:  # an fp16 step that overflowed (a GradScaler then skips it)
                 g[7] = float("inf")
-            averaged = hook(state, Bucket(g)).wait()
+            averaged = hook(state, last_bucket(g)).wait()
             assert torch.isfinite(averaged).all() == (step != 1), (fmt, step)
             memories = [*state.error_dict.values(), *state.shard_error_dict.values()]
             assert memories, fmt
@@ -160,19 +150,19 @@ def _resume(rank: int, world: int) -> None:
     numel = 500
     for hook in HOOKS.values():
         state = QuantizedState(None, block_size=BLOCK)
-        whole = [hook(state, Bucket(grad(rank, s, numel), s % 2)).wait().clone() for s in range(8)]
+        whole = [hook(state, last_bucket(grad(rank, s, numel), s % 2)).wait().clone() for s in range(8)]
         for stop in (1, 4):
             state = QuantizedState(None, block_size=BLOCK)
             for s in range(stop):
-                hook(state, Bucket(grad(rank, s, numel), s % 2)).wait()
+                hook(state, last_bucket(grad(rank, s, numel), s % 2)).wait()
             buffer = io.BytesIO()
             torch.save(state.state_dict(), buffer)
             for s in range(stop, stop + 2):  # go on, then restore into the same state
-                hook(state, Bucket(grad(rank, s, numel), s % 2)).wait()
+                hook(state, last_bucket(grad(rank, s, numel), s % 2)).wait()
             buffer.seek(0)
             state.load_state_dict(torch.load(buffer, weights_only=True))
             for s in range(stop, 8):
-                out = hook(state, Bucket(grad(rank, s, numel), s % 2)).wait()
+                out = hook(state, last_bucket(grad(rank, s, numel), s % 2)).wait()
                 assert torch.equal(out, whole[s]), f"{hook.__name__}: step {s} after restoring at {stop}"
 
 
@@ -271,7 +261,7 @@ def test_state_arguments_and_bad_state_dict() -> None:
         state.load_state_dict(bad)
     assert state.bytes_sent == 5
     with pytest.raises(TypeError, match="state: int8_compress_hook expects a QuantizedState or None, got str"):
-        int8_compress_hook("WORLD", Bucket(torch.ones(4)))  # type: ignore[arg-type]
+        int8_compress_hook("WORLD", last_bucket(torch.ones(4)))  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(600)
@@ -285,7 +275,7 @@ def _nccl(rank: int, world: int) -> None:
     grads = [grad(r, 0, numel) for r in range(world)]
     for fmt, hook in HOOKS.items():
         gpu_state = QuantizedState(None, error_feedback=False, block_size=BLOCK)
-        out = hook(gpu_state, Bucket(grads[rank].cuda())).wait()
+        out = hook(gpu_state, last_bucket(grads[rank].cuda())).wait()
         exact = torch.stack([g.double() for g in grads]).mean(0)
         first = torch.stack([quantization_half_step(g, fmt, BLOCK) for g in grads]).mean(0)
         bound = first + quantization_half_step(exact.abs() + first, fmt, BLOCK) + 1e-6 * exact.abs()

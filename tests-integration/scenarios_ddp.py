@@ -24,7 +24,15 @@ from dcomm.ddp import (
     fp16_compress_hook,
     post_localSGD_hook,
 )
-from dcomm_testing import BackwardOrderedMLP, DDPRun, assert_close, assert_updates_close, rank_groups, seeded_normal
+from dcomm_testing import (
+    BackwardOrderedMLP,
+    DDPRun,
+    assert_close,
+    assert_updates_close,
+    rank_groups,
+    recorded_calls,
+    seeded_normal,
+)
 
 STEPS = 5
 START = 2
@@ -78,32 +86,21 @@ def scenario_ddp_compress_hooks(rank: int, world_size: int) -> None:
 def scenario_ddp_hooks_in_cpp(rank: int, world_size: int) -> None:
     # DDP's reducer runs dcomm's averaging hooks in C++ (dcomm.ddp.native_hooks): the same
     # parameters, bit for bit, as the Python hooks, without entering them.
-    import os
-
     import dcomm.ddp.default_hooks as default_hooks
-    from dcomm.ddp import native_hooks, native_hooks_available
+    from dcomm.ddp import native_hooks_available
+    from dcomm.ddp.native_hooks import switched
 
     assert native_hooks_available(), "the C++ hooks did not build on this host"
-    calls: list[str] = []
-    original = default_hooks._check_group  # the first thing every Python hook call does
-
-    def counting(process_group: object, hook: str) -> dist.ProcessGroup:
-        calls.append(hook)
-        return original(process_group, hook)
-
-    default_hooks._check_group = counting
-    try:
+    # _check_group: the first thing every Python hook call does.
+    with recorded_calls(default_hooks, "_check_group", lambda group, name: name) as calls:
         for hook in (allreduce_hook, fp16_compress_hook, bf16_compress_hook):
             results = {}
-            for enabled in ("1", "0"):
-                os.environ[native_hooks.ENV_SWITCH] = enabled
+            for native in (True, False):
                 calls.clear()
-                results[enabled] = _Run(hook, None).train()
-                assert (len(calls) == 0) == (enabled == "1"), f"{hook.__qualname__}: {len(calls)} Python calls"
-            assert_close(results["1"], results["0"], 0.0, f"{hook.__qualname__}: C++ vs Python")
-    finally:
-        default_hooks._check_group = original
-        os.environ.pop(native_hooks.ENV_SWITCH, None)
+                with switched(native):
+                    results[native] = _Run(hook, None).train()
+                assert (len(calls) == 0) == native, f"{hook.__qualname__}: {len(calls)} Python calls"
+            assert_close(results[True], results[False], 0.0, f"{hook.__qualname__}: C++ vs Python")
 
 
 @scenario(world_size_multiple=2)

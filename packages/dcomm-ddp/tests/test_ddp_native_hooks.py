@@ -6,11 +6,9 @@ Registering ``allreduce_hook``, ``fp16_compress_hook`` or ``bf16_compress_hook``
 and the C++ path must not enter the Python hook for a dense real bucket.
 """
 
-import os
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,23 +19,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dcomm.ddp.default_hooks as default_hooks
 from dcomm.ddp import allreduce_hook, bf16_compress_hook, fp16_compress_hook, native_hooks
-from dcomm_testing import assert_close, assert_same_on_ranks, run_ranks, seeded_batch, seeded_mlp
+from dcomm_testing import assert_close, assert_same_on_ranks, recorded_calls, run_ranks, seeded_batch, seeded_mlp
 
 STEPS = 3
 BUCKET_CAPS = [0.0003] * 8  # every parameter in a bucket of its own
-
-
-@contextmanager
-def native(enabled: bool) -> Iterator[None]:
-    saved = os.environ.get(native_hooks.ENV_SWITCH)
-    os.environ[native_hooks.ENV_SWITCH] = "1" if enabled else "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[native_hooks.ENV_SWITCH]
-        else:
-            os.environ[native_hooks.ENV_SWITCH] = saved
 
 
 class Mixed(nn.Module):
@@ -60,26 +45,17 @@ class Mixed(nn.Module):
 def train(hook: Callable, state: object, dtype: torch.dtype, enabled: bool, complex_layer: bool = False) -> tuple:
     """Parameters after STEPS steps, and how many times the Python hook ran."""
     rank = dist.get_rank()
-    calls = []
-    original = default_hooks._check_group  # the first thing every Python hook call does
-
-    def counting(process_group: object, hook_name: str) -> dist.ProcessGroup:
-        calls.append(hook_name)
-        return original(process_group, hook_name)
-
-    default_hooks._check_group = counting
-    try:
+    # _check_group: the first thing every Python hook call does.
+    with recorded_calls(default_hooks, "_check_group", lambda group, name: name) as calls:
         net = Mixed(dtype, complex_layer)
         ddp = DDP(net, bucket_cap_mb_list=BUCKET_CAPS)
-        with native(enabled):
+        with native_hooks.switched(enabled):
             ddp.register_comm_hook(state, hook)
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
         for step in range(STEPS):
             opt.zero_grad()
             ddp(seeded_batch(rank, step, (5, 6), dtype=dtype)).backward()
             opt.step()
-    finally:
-        default_hooks._check_group = original
     return [p.detach().clone() for p in net.parameters()], len(calls)
 
 
@@ -128,7 +104,7 @@ def _complex_and_sparse(rank: int, world: int) -> None:
         torch.manual_seed(0)
         table = nn.Embedding(10, 3, sparse=True)
         ddp = DDP(table)
-        with native(True):
+        with native_hooks.switched(True):
             ddp.register_comm_hook(None, hook)
         ddp(torch.tensor([rank, rank + 1, 7])).pow(2).sum().backward()
         grads[name] = table.weight.grad.to_dense()
@@ -149,7 +125,7 @@ def test_switch_off_and_other_hooks_use_torchs_registration(monkeypatch: pytest.
     seen = []
     monkeypatch.setattr(native_hooks, "_TORCH_REGISTER", lambda *args: seen.append(args[2]))
     monkeypatch.setattr(native_hooks, "_extension", lambda: pytest.fail("the extension was asked for"))
-    with native(False):
+    with native_hooks.switched(False):
         assert not native_hooks.native_hooks_available()
         native_hooks._register_comm_hook(object(), None, allreduce_hook)
     native_hooks._register_comm_hook(object(), None, torch_hooks.allreduce_hook)
@@ -216,7 +192,7 @@ def _zero_overlap_in_cpp(rank: int, world: int) -> None:
             ddp = DDP(net, bucket_cap_mb=0.001, **ddp_options)
             zero = ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01)
             hook = builder(inner, ddp, zero, **options)
-            with native(enabled):
+            with native_hooks.switched(enabled):
                 ddp.register_comm_hook(None, hook)
             driver = getattr(hook, HOOK_MARK)
             counted: list[int] = []

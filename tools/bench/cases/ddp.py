@@ -19,8 +19,6 @@ Example::
 # ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` objects, not strings.
 
 import contextlib
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,18 +42,11 @@ __all__ = [
 DDP_HOOKS = {"allreduce": "allreduce_hook", "fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook"}
 
 
-@contextlib.contextmanager
-def python_hooks() -> Iterator[None]:
+def python_hooks() -> contextlib.AbstractContextManager[None]:
     """Register dcomm's averaging hooks as Python hooks (``DCOMM_NATIVE_HOOKS=0``) inside."""
-    saved = os.environ.get("DCOMM_NATIVE_HOOKS")
-    os.environ["DCOMM_NATIVE_HOOKS"] = "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("DCOMM_NATIVE_HOOKS")
-        else:
-            os.environ["DCOMM_NATIVE_HOOKS"] = saved
+    from dcomm.ddp.native_hooks import switched
+
+    return switched(False)
 
 
 def build_ddp(ctx: Context, hook: tuple[str, str] | None, python: bool = False) -> Variant:

@@ -8,8 +8,8 @@ backward pass paced by its host, time the GPU waits. torch's built-in hooks avoi
 ends with: registering dcomm's :func:`~dcomm.ddp.allreduce_hook`,
 :func:`~dcomm.ddp.fp16_compress_hook` or :func:`~dcomm.ddp.bf16_compress_hook` puts a C++ hook with
 the same arithmetic on the reducer (bit-identical gradients); any other hook is registered as
-before. DDP's checks, its logged hook name and ``ddp._comm_hooks`` are unchanged. Buckets the
-C++ hook does not handle (sparse or complex gradients) are passed to the Python hook.
+before. DDP's checks, its logged hook name and ``ddp._comm_hooks`` are unchanged. A bucket of
+sparse gradients is passed to the Python hook (DDP buckets complex gradients as their real view).
 
 The C++ hook is compiled on first use by torch's extension builder (about 40 s on 2 cores, then
 cached in ``TORCH_EXTENSIONS_DIR``, one build per torch version). It needs a C++ compiler and
@@ -81,6 +81,28 @@ def native_hooks_available() -> bool:
 
 def _enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@contextlib.contextmanager
+def switched(on: bool) -> Iterator[None]:
+    """Inside the block, registering dcomm's averaging hooks gives C++ hooks (``on``) or Python hooks.
+
+    Sets ``DCOMM_NATIVE_HOOKS`` and restores it after; for side-by-side runs of the two paths.
+
+    Example::
+
+        >>> with switched(False):  # doctest: +SKIP
+        ...     ddp_model.register_comm_hook(None, bf16_compress_hook)  # a Python hook
+    """
+    saved = os.environ.get(ENV_SWITCH)
+    os.environ[ENV_SWITCH] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[ENV_SWITCH]
+        else:
+            os.environ[ENV_SWITCH] = saved
 
 
 @functools.cache

@@ -2,8 +2,9 @@
 // precision. DDP's reducer calls it without entering Python, as it does its built-in hooks.
 //
 // The arithmetic comes from Python, once per (dtype, device): a callable gives the divisor to
-// apply before the sum, the reduce op, and the dtype to send in (None: in place). Buckets this
-// hook does not handle (sparse or complex gradients) go to the Python hook it stands for.
+// apply before the sum, the reduce op, and the dtype to send in (None: in place). A bucket this
+// hook does not handle (sparse gradients; DDP buckets complex ones as their real view) goes to the
+// Python hook it stands for.
 //
 // A hook may also be registered switched off, with a callable for its last bucket: it then runs
 // the Python hook for every bucket until Python switches it on. Switched on, it averages every
@@ -64,7 +65,7 @@ class AverageHook final : public c10d::CommHookInterface {
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
     const at::Tensor& buffer = bucket.getBufferRef();
-    if (!native_->on.load() || buffer.is_sparse() || buffer.is_complex() || !buffer.is_floating_point()) {
+    if (!native_->on.load() || buffer.is_sparse() || !buffer.is_floating_point()) {
       return python_.runHook(bucket);
     }
     at::Tensor sent;

@@ -17,6 +17,7 @@ import itertools
 import warnings
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -806,6 +807,43 @@ def _released(rank: int, world: int) -> list[str]:
     return seen
 
 
+def _grads_when_finishing(driver: Any, ddp: DDP) -> list[list[torch.Tensor]]:
+    """A list that gets a copy of every ``.grad`` of ``ddp`` whenever ``driver`` waits for its parameters."""
+    seen: list[list[torch.Tensor]] = []
+    finish = driver.finish
+
+    def recording_finish() -> None:
+        seen.append([p.grad.clone() for p in ddp.parameters()])
+        finish()
+
+    driver.finish = recording_finish
+    return seen
+
+
+def _waits_after_ddp(rank: int, world: int) -> list[str]:
+    """The parameter collectives are waited for after DDP copied the averaged buckets into ``.grad``.
+
+    Waiting at the last bucket queued that copy behind the parameter collectives on CUDA; the wait
+    now runs from an end-of-backward callback after DDP's. So when it runs, every ``.grad`` already
+    holds the averaged gradient (on every rank the same), and ``backward()`` still returns with the
+    parameters updated (they equal plain ZeRO's, checked by the other parts).
+    """
+    seen = []
+    for builder, rs in [("step", False), ("interleaved", False), ("step", True)]:
+        _, ddp, zero = overlapped(builder, "sgd", False, True, rs=rs)
+        at_finish = _grads_when_finishing(_driver(zero), ddp)
+        for step in range(4):
+            at_finish.clear()
+            train_step(ddp, zero, batch(rank, step), overlap=True)
+            assert len(at_finish) == 1, (builder, rs, step, len(at_finish))
+            same = [torch.equal(before, p.grad) for before, p in zip(at_finish[0], ddp.parameters(), strict=True)]
+            assert all(same), f"{builder} rs={rs} step {step}: .grad changed after the wait: {same}"
+            if not rs:  # the averaged gradient: the same on every rank
+                assert_same_on_ranks(at_finish[0], f"{builder} step {step}")
+        seen.append(f"{builder}-rs{rs}")
+    return seen
+
+
 # -- the tests: few rank launches (each costs seconds), many checks per launch ---------------------
 
 
@@ -822,6 +860,8 @@ def _suite(rank: int, world: int, parts: list[str], step_mode: str = "per_bucket
             assert len(result) == 4
         if part == "_unused":
             assert len(result) == 2
+        if part == "_waits_after_ddp":
+            assert len(result) == 3
         if part == "_wrong_averaging":
             assert result == 10
     return len(parts)
@@ -842,8 +882,10 @@ def test_world4_every_step_matches_non_overlapped_zero(step_mode: str) -> None:
 @pytest.mark.parametrize("step_mode", STEP_PATHS)
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_accumulated_gradients_and_wrong_averaging(world: int, step_mode: str) -> None:
-    """Accumulation without zero_grad equals plain ZeRO; a state or hook over other ranks raises."""
-    assert run_ranks(_suite, world, ["_accumulation", "_wrong_averaging"], step_mode, timeout=300) == [2] * world
+    """Accumulation without zero_grad equals plain ZeRO; a state or hook over other ranks raises; the
+    parameter collectives are waited for after DDP's copy of the averaged gradients."""
+    parts = ["_accumulation", "_wrong_averaging", "_waits_after_ddp"]
+    assert run_ranks(_suite, world, parts, step_mode, timeout=300) == [3] * world
 
 
 @pytest.mark.parametrize("step_mode", STEP_PATHS)

@@ -33,6 +33,7 @@ from dcomm.core.torch_private import private_member
 _ZERO = "the ZeroRedundancyOptimizer internals that ZeRO overlap drives"
 _DDP = "the DDP bucketing that ZeRO overlap predicts"
 _HOOKS = "the registration of DDP comm hooks that dcomm.ddp.native_hooks wraps"
+_ENGINE = "the autograd engine's end-of-backward callbacks that ZeRO overlap waits from"
 
 
 def _read(owner: object, name: str, what: str) -> Any:
@@ -135,6 +136,14 @@ def bucket_assignment(tensors: list[torch.Tensor], caps: list[int]) -> list[list
     return [list(bucket) for bucket in indices]
 
 
+# -- the autograd engine -------------------------------------------------------------------------
+
+
+def autograd_engine() -> Any:
+    """torch's autograd engine, whose ``queue_callback(fn)`` runs ``fn`` when the current backward ends."""
+    return _read(torch.autograd.Variable, "_execution_engine", _ENGINE)
+
+
 # -- comm hook registration (dcomm.ddp.native_hooks) ----------------------------------------------
 
 
@@ -176,6 +185,7 @@ def missing_members(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer)
         lambda: _read(dist, "_compute_bucket_assignment_by_size", _DDP),
         register_comm_hook_binding,
         registered_comm_hook_function,
+        autograd_engine,
     ]
     missing = []
     for check in checks:

@@ -119,7 +119,8 @@ class Driver:
         self.first_call_checks: Checks | None = setup.first_call_checks
         self.plans: dict[int, Any] = {}
         self.pending: list[Any] = []
-        self.works: list[Any] = []
+        self.gradient_works: list[Any] = []  # the driver's own gradient collectives: waited at the last bucket
+        self.works: list[Any] = []  # parameter collectives: waited once backward has ended
         self.stream: Any = None
         self.fallbacks = 0  # buckets allreduced instead of reduce-scattered once DDP settled
         mode = setup.step_mode
@@ -172,7 +173,7 @@ class Driver:
         """Called on the first bucket of every backward."""
 
     def end_backward(self) -> None:
-        """Called on the last bucket of every backward, before :meth:`finish`."""
+        """Called on the last bucket of every backward, before :meth:`finish_after_backward`."""
 
     # -- shared machinery ----------------------------------------------------------------------
 
@@ -237,6 +238,32 @@ class Driver:
         for work in works:
             work.wait()
 
+    def finish_after_backward(self) -> None:
+        """:meth:`finish` once backward has ended, after DDP's own end-of-backward work.
+
+        Waiting at the last bucket would queue DDP's copy of the averaged buckets into ``.grad``
+        behind the parameter collectives on the current stream; waited for from a callback that
+        the autograd engine runs after DDP's (queued from one queued now, so it runs after every
+        callback queued so far), the copy runs beside them. ``backward()`` still returns with the
+        current stream (or the host, off CUDA) ordered after them. Outside a backward pass (a hook
+        called directly) it waits now.
+        """
+        engine = private.autograd_engine()
+
+        def after_what_is_queued() -> None:
+            engine.queue_callback(self.finish)
+
+        try:
+            engine.queue_callback(after_what_is_queued)
+        except RuntimeError:  # not inside a backward pass
+            self.finish()
+
+    def wait_gradients(self) -> None:
+        """Order the current stream (or the host) after the driver's own gradient collectives."""
+        works, self.gradient_works = self.gradient_works, []
+        for work in works:
+            work.wait()
+
     def refuse_buckets_at_once(self) -> None:
         """Raise if DDP hands over several buckets at once, as ``static_graph=True`` first does.
 
@@ -256,6 +283,7 @@ class Driver:
     def reset(self) -> None:
         """Drop what an interrupted backward left behind."""
         self.pending.clear()
+        self.wait_gradients()
         self.finish()
 
     # -- the hook -----------------------------------------------------------------------------------
@@ -266,7 +294,7 @@ class Driver:
             checks(state)
         index = bucket.index()
         if index == 0:
-            if self.pending or self.works:
+            if self.pending or self.works or self.gradient_works:
                 self.refuse_buckets_at_once()
                 self.reset()
             buffer = bucket.buffer()
@@ -293,8 +321,9 @@ class Driver:
             if not self.settled:
                 for stale in [i for i in self.plans if i > index]:
                     del self.plans[stale]
+            self.wait_gradients()  # before DDP reads any bucket
             self.end_backward()
-            self.finish()
+            self.finish_after_backward()
             if self.native_switch is not None:
                 self._hand_over_to_cpp(index)
         return item.fut
@@ -307,6 +336,11 @@ class Driver:
             return
         if sorted(self.frozen) != list(range(last_index + 1)):
             return
+        if self.stream is not None:
+            # Only the side stream, where the step runs, waits for every bucket; DDP's copies of
+            # the buckets into .grad each follow their own bucket's collective.
+            stream = self.stream
+            self.native_switch.wait_on(stream.stream_id, stream.device_index, stream.device_type)
         self.native_switch.set(True)
         if self.rank == 0:
             logger.info(
@@ -317,13 +351,13 @@ class Driver:
     def run_last_bucket(self, indices: list[int], averaged: list[torch.Tensor]) -> None:
         """The fused step, called by the C++ hook at the last bucket with every bucket averaged.
 
-        The C++ hook has ordered the current stream (CUDA) or the host after every bucket's
+        The C++ hook has ordered the side stream (CUDA) or the host after every bucket's
         collective; ``averaged[i]`` is bucket ``indices[i]``'s averaged gradient.
         """
         self.begin_backward(averaged[0].device)
         self.complete_all([self.averaged_item(index, tensor) for index, tensor in zip(indices, averaged, strict=True)])
         self.end_backward()
-        self.finish()
+        self.finish_after_backward()
 
     def averaged_item(self, index: int, averaged: torch.Tensor) -> Any:
         """What :meth:`launch` would have returned for bucket ``index``, already averaged into ``averaged``."""

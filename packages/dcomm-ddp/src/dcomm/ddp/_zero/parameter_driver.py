@@ -192,7 +192,7 @@ class ParameterDriver(Driver):
         if average.pre != 1.0:
             buffer.div_(average.pre)
         work = start_allreduce(buffer, self.group, average.op)
-        self.works.append(work)  # waited for at the last bucket (finish), before DDP reads any bucket
+        self.gradient_works.append(work)  # waited for at the last bucket, before DDP reads any bucket
         return _Update(plan, completed_future(buffer), buffer.data_ptr(), work)
 
     def _average_plan_for(self, dtype: torch.dtype, device: torch.device) -> AveragePlan:

@@ -8,10 +8,14 @@
 //
 // A hook may also be registered switched off, with a callable for its last bucket: it then runs
 // the Python hook for every bucket until Python switches it on. Switched on, it averages every
-// bucket itself and, at the last one, waits for them all (a stream wait on CUDA) and hands their
-// indices and averaged buffers to that callable: one Python call per backward pass instead of one
-// per bucket (ZeRO overlap's fused step).
+// bucket itself and, at the last one, waits for them all (a stream wait on CUDA: on the stream that
+// Python names, so that DDP's own copies of the buckets into .grad still follow each bucket's
+// collective on the backward stream) and hands their indices and averaged buffers to that
+// callable: one Python call per backward pass instead of one per bucket (ZeRO overlap's fused step).
 #include <torch/extension.h>
+
+#include <c10/core/Stream.h>
+#include <c10/core/StreamGuard.h>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
@@ -36,9 +40,11 @@ struct Plan {
   std::optional<at::ScalarType> wire;  // the dtype sent, when it differs from the bucket's
 };
 
-// Whether a hook averages buckets itself (on) or passes them all to its Python hook (off).
+// Whether a hook averages buckets itself (on) or passes them all to its Python hook (off), and
+// the stream that waits for every bucket at the last one (none: the current stream).
 struct Switch {
   std::atomic<bool> on{true};
+  std::optional<c10::Stream> waiting;
 };
 
 struct Launched {
@@ -111,13 +117,19 @@ class AverageHook final : public c10d::CommHookInterface {
     return group_->allreduce(tensors, options)->getFuture();
   }
 
-  // The last bucket: order the current stream (CUDA) or the host (gloo) after every bucket's
+  // The last bucket: order the waiting stream (CUDA) or the host (gloo) after every bucket's
   // collective, then give Python the averaged buckets in one call.
   void handOver() {
     std::vector<Launched> launched;
     launched.swap(launched_);
-    for (auto& item : launched) {
-      item.future->wait();
+    {
+      std::optional<c10::StreamGuard> on_waiting;
+      if (native_->waiting.has_value()) {
+        on_waiting.emplace(*native_->waiting);
+      }
+      for (auto& item : launched) {
+        item.future->wait();
+      }
     }
     py::gil_scoped_acquire gil;
     py::list indices;
@@ -192,6 +204,14 @@ std::shared_ptr<Switch> registerHook(const std::shared_ptr<c10d::Reducer>& reduc
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Switch, std::shared_ptr<Switch>>(m, "Switch")
       .def("set", [](Switch& self, bool on) { self.on.store(on); }, py::arg("on"))
+      .def(
+          "wait_on",
+          [](Switch& self, int64_t stream_id, int64_t device_index, int64_t device_type) {
+            self.waiting = c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
+                                                static_cast<c10::DeviceType>(device_type));
+          },
+          py::arg("stream_id"), py::arg("device_index"), py::arg("device_type"),
+          "Wait for every bucket on this stream (torch.cuda.Stream's three numbers) instead of the current one.")
       .def_property_readonly("on", [](const Switch& self) { return self.on.load(); });
   m.def("register_average_hook", &registerHook, py::arg("reducer"), py::arg("group"), py::arg("plan_for"),
         py::arg("state"), py::arg("python_hook"), py::arg("at_last") = py::none(),

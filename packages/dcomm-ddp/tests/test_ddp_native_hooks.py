@@ -6,9 +6,13 @@ Registering ``allreduce_hook``, ``fp16_compress_hook`` or ``bf16_compress_hook``
 and the C++ path must not enter the Python hook for a dense real bucket.
 """
 
+import os
 import shutil
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,6 +163,68 @@ def test_build_failure_warns_once_and_keeps_the_python_hooks(monkeypatch: pytest
 def test_the_cpp_hook_builds_where_a_compiler_is() -> None:
     # CI has one: the C++ hooks must build there, not silently fall back.
     assert native_hooks.native_hooks_available()
+
+
+def test_a_stale_build_lock_is_removed_and_a_live_one_waited_for(tmp_path: Path) -> None:
+    lock = tmp_path / "lock"
+    lock.touch()
+    now = tmp_path.stat().st_mtime
+    # Another process is building: the lock goes away while we wait; nothing is removed by us.
+    waits: list[float] = []
+
+    def other_process_finishes(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 3:
+            lock.unlink()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        native_hooks.clear_stale_lock(tmp_path, 180.0, clock=lambda: now + 5, sleep=other_process_finishes)
+    assert len(waits) == 3
+    assert not lock.exists()
+    # A build killed 200 s ago: its lock is removed at once, with a warning naming it.
+    lock.touch()
+    with pytest.warns(RuntimeWarning, match=r"removed .*lock, left by a build .* stopped 2\d\d s ago"):
+        native_hooks.clear_stale_lock(tmp_path, 180.0, clock=lambda: now + 200, sleep=pytest.fail)
+    assert not lock.exists()
+    native_hooks.clear_stale_lock(tmp_path, 180.0, sleep=pytest.fail)  # no lock: no wait
+
+
+_LOAD_WITH_A_STALE_LOCK = """
+import sys
+from pathlib import Path
+from dcomm.ddp import native_hooks
+native_hooks.STALE_BUILD_S = 0.0  # the lock below counts as left by a killed build
+Path(sys.argv[1], "lock").touch()
+assert native_hooks.native_hooks_available()
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")
+def test_a_build_killed_half_way_does_not_hang_the_next_run() -> None:
+    # torch's builder waits for as long as a lock file exists in the build directory; one left by
+    # a killed build hung every later run (the process below would never end).
+    assert native_hooks.native_hooks_available()  # built (or cached) here first
+    build_directories = [p for p in Path(_build_root()).glob("dcomm_ddp_native_*") if (p / f"{p.name}.so").exists()]
+    directory = max(build_directories, key=lambda p: p.stat().st_mtime)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _LOAD_WITH_A_STALE_LOCK, str(directory)],
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "left by a build of the C++ DDP hooks" in done.stderr
+    finally:
+        (directory / "lock").unlink(missing_ok=True)
+
+
+def _build_root() -> str:
+    from torch.utils import cpp_extension
+
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
 
 
 def _counting(launch: Callable, counted: list[int]) -> Callable:

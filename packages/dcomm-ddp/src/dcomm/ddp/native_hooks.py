@@ -12,9 +12,10 @@ before. DDP's checks, its logged hook name and ``ddp._comm_hooks`` are unchanged
 sparse gradients is passed to the Python hook (DDP buckets complex gradients as their real view).
 
 The C++ hook is compiled on first use by torch's extension builder (about 40 s on 2 cores, then
-cached in ``TORCH_EXTENSIONS_DIR``, one build per torch version). It needs a C++ compiler and
-ninja (a dependency of dcomm-ddp); where it cannot be built, a warning says why, once, and the
-Python hooks run. Set ``DCOMM_NATIVE_HOOKS=0`` to keep the Python hooks.
+cached in ``TORCH_EXTENSIONS_DIR``, one build per torch and Python version; a lock left by a build
+that was killed is removed after 3 minutes without progress instead of hanging every later run).
+It needs a C++ compiler and ninja (a dependency of dcomm-ddp); where it cannot be built, a warning
+says why, once, and the Python hooks run. Set ``DCOMM_NATIVE_HOOKS=0`` to keep the Python hooks.
 
 Example::
 
@@ -32,6 +33,8 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -105,18 +108,33 @@ def switched(on: bool) -> Iterator[None]:
             os.environ[ENV_SWITCH] = saved
 
 
+STALE_BUILD_S = 180.0
+"""A build lock whose directory has not changed for this long was left by a killed build."""
+
+
 @functools.cache
 def _extension() -> Any | None:
     """The compiled C++ hook module, built on first use; None (with one warning) if it cannot be."""
     from torch.utils import cpp_extension
 
-    # One build per source and torch version: the module binds torch's C++ classes.
-    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
-    logger.info("dcomm.ddp: loading the C++ DDP hooks (built once per torch version, about 40 s)")
+    # One build per source, torch and Python version: the module binds torch's C++ classes and
+    # Python's ABI.
+    version = f"{torch.__version__} {sys.version_info[0]}.{sys.version_info[1]}".encode()
+    name = f"dcomm_ddp_native_{hashlib.sha256(_SOURCE.read_bytes() + version).hexdigest()[:12]}"
     try:
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+        build_directory = Path(root) / name
+        build_directory.mkdir(parents=True, exist_ok=True)
+        if not (build_directory / f"{name}.so").exists():
+            logger.info("dcomm.ddp: building the C++ DDP hooks in %s (once per torch version, about 40 s)", root)
+        clear_stale_lock(build_directory)
         with _ninja_on_path():
             return cpp_extension.load(
-                name=f"dcomm_ddp_native_{digest}", sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False
+                name=name,
+                sources=[str(_SOURCE)],
+                extra_cflags=["-O2"],
+                build_directory=str(build_directory),
+                verbose=False,
             )
     except Exception as error:  # any build or load failure leaves the Python hooks, which are correct
         warnings.warn(
@@ -127,6 +145,55 @@ def _extension() -> Any | None:
             stacklevel=2,
         )
         return None
+
+
+def clear_stale_lock(
+    build_directory: Path,
+    stale_after_s: float | None = None,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Wait while another process builds in ``build_directory``; remove the lock of a killed build.
+
+    torch's extension builder waits, for as long as it exists, for the ``lock`` file of whoever
+    builds in the directory; a build killed half-way (Ctrl-C during the first import) leaves it
+    behind, and every later run would hang. A lock whose directory has not changed for
+    ``stale_after_s`` (default :data:`STALE_BUILD_S`) is removed, with a warning, and the build
+    starts again.
+
+    Example::
+
+        >>> clear_stale_lock(Path("~/.cache/torch_extensions/dcomm_ddp_native_ab12").expanduser())  # doctest: +SKIP
+    """
+    stale_after_s = STALE_BUILD_S if stale_after_s is None else stale_after_s
+    lock = build_directory / "lock"
+    told = False
+    while lock.exists():
+        quiet_s = clock() - _last_change(build_directory)
+        if quiet_s > stale_after_s:
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
+            warnings.warn(
+                f"dcomm.ddp: removed {lock}, left by a build of the C++ DDP hooks that stopped {quiet_s:.0f} s "
+                "ago (killed?); building again",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        if not told:
+            logger.info("dcomm.ddp: waiting for another process building the C++ DDP hooks (%s)", lock)
+            told = True
+        sleep(0.5)
+
+
+def _last_change(directory: Path) -> float:
+    """The latest modification time of ``directory`` and the entries in it."""
+    latest = directory.stat().st_mtime
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            with contextlib.suppress(FileNotFoundError):
+                latest = max(latest, entry.stat(follow_symlinks=False).st_mtime)
+    return latest
 
 
 @contextlib.contextmanager

@@ -37,7 +37,14 @@ from dcomm.ddp import (
     post_localSGD_hook,
     wait_for_parameters,
 )
-from dcomm_testing import assert_same_on_ranks, flat_parameters, run_ranks, seeded_mlp, seeded_normal
+from dcomm_testing import (
+    assert_same_on_ranks,
+    flat_parameters,
+    recorded_calls,
+    run_ranks,
+    seeded_mlp,
+    seeded_normal,
+)
 
 BUILDERS = {"step": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
 OPTIMS = {
@@ -844,6 +851,38 @@ def _waits_after_ddp(rank: int, world: int) -> list[str]:
     return seen
 
 
+def _send_groups(rank: int, world: int) -> list[str]:
+    """Once DDP settled, buckets of one owner each return in all-gathers of send groups; same parameters.
+
+    8 equal weights in buckets of one (shard_buckets=False: one owner each) make ``world``-sized
+    groups. On the fused path each settled step then sends every group with one all-gather and
+    broadcasts nothing; the per-bucket path still broadcasts each bucket, from its group's buffer.
+    """
+    seen = []
+    for builder in BUILDERS:
+        model = torch.nn.Sequential(*(torch.nn.Linear(16, 16, bias=False) for _ in range(8)))
+        ref_model = copy.deepcopy(model)
+        ddp = DDP(model, bucket_cap_mb=0.0005)
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True)
+        ddp.register_comm_hook(None, BUILDERS[builder](allreduce_hook, ddp, zero, step_mode=STEP_MODE))
+        ref_ddp = DDP(ref_model, bucket_cap_mb=0.0005)
+        ref = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam)
+        driver = _driver(zero)
+        for step in range(5):
+            x = seeded_normal(100 * rank + step, (4, 16), scale=rank + 1, draw=torch.float32)
+            with recorded_calls(dist, "broadcast", lambda *a, **k: 1) as broadcasts:
+                train_step(ddp, zero, x, overlap=True)
+            train_step(ref_ddp, ref, x, overlap=False)
+            torch.testing.assert_close(flat_parameters(model), flat_parameters(ref_model), rtol=0, atol=0)
+        assert driver.grouped, builder
+        groups = {id(plan.group) for plan in driver.frozen.values() if plan.group is not None}
+        assert len(groups) == 8 // world, (builder, len(groups))  # every bucket in a group of `world`
+        expected = 0 if driver.mode == "fused" else 8  # the last step's broadcasts
+        assert len(broadcasts) == expected, (builder, driver.mode, len(broadcasts))
+        seen.append(builder)
+    return seen
+
+
 # -- the tests: few rank launches (each costs seconds), many checks per launch ---------------------
 
 
@@ -862,6 +901,8 @@ def _suite(rank: int, world: int, parts: list[str], step_mode: str = "per_bucket
             assert len(result) == 2
         if part == "_waits_after_ddp":
             assert len(result) == 3
+        if part == "_send_groups":
+            assert len(result) == 2
         if part == "_wrong_averaging":
             assert result == 10
     return len(parts)
@@ -885,7 +926,9 @@ def test_accumulated_gradients_and_wrong_averaging(world: int, step_mode: str) -
     """Accumulation without zero_grad equals plain ZeRO; a state or hook over other ranks raises; the
     parameter collectives are waited for after DDP's copy of the averaged gradients."""
     parts = ["_accumulation", "_wrong_averaging", "_waits_after_ddp"]
-    assert run_ranks(_suite, world, parts, step_mode, timeout=300) == [3] * world
+    if world in (2, 4):  # 8 buckets make whole groups
+        parts.append("_send_groups")
+    assert run_ranks(_suite, world, parts, step_mode, timeout=300) == [len(parts)] * world
 
 
 @pytest.mark.parametrize("step_mode", STEP_PATHS)

@@ -28,7 +28,10 @@ per-bucket work of the interleaved hook. Ownership is computed from DDP's bucket
 is the same either way. When a bucket's owned pieces are nearly equal (``(world - 1) * largest
 piece <= bucket``, the usual case with ``shard_buckets=True``) the pieces are padded to one size
 and a single ``all_gather_into_tensor`` returns the updated parameters; otherwise each owner
-broadcasts its piece (one broadcast per bucket with ``shard_buckets=False``).
+broadcasts its piece (one broadcast per bucket with ``shard_buckets=False``). Once DDP has settled
+its buckets, buckets of one owner each are laid out in groups, one bucket per owner and of like
+sizes, so that the fused step path returns each group with one all-gather instead of a broadcast
+per bucket: the same bytes, over every link in both directions at once.
 
 ``reduce_scatter=True`` (keyword-only, opt-in, for dcomm's or torch's ``allreduce_hook`` /
 ``fp16_compress_hook`` / ``bf16_compress_hook`` only) replaces the wrapped hook's allreduce and

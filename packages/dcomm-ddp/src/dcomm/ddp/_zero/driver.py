@@ -134,6 +134,7 @@ class Driver:
         # C++ hook averages every bucket and calls :meth:`run_last_bucket` once per backward.
         self.native_switch: Any = None
         self.frozen: dict[int, Any] = {}  # bucket index -> plan, checked after DDP settled
+        self.bucket_count = 0  # DDP's buckets in the last backward pass
         # Fix every parameter's owner now, for good: the step can then run from iteration 1.
         private.clear_cache(zero)
         owners = partition(setup.buckets, self.world, shard_buckets)
@@ -321,20 +322,23 @@ class Driver:
             if not self.settled:
                 for stale in [i for i in self.plans if i > index]:
                     del self.plans[stale]
+            self.bucket_count = index + 1
             self.wait_gradients()  # before DDP reads any bucket
             self.end_backward()
             self.finish_after_backward()
             if self.native_switch is not None:
-                self._hand_over_to_cpp(index)
+                self._hand_over_to_cpp()
         return item.fut
+
+    def planned_for_good(self) -> bool:
+        """Whether DDP has settled and every bucket of the last backward pass has its final plan."""
+        return self.settled and sorted(self.frozen) == list(range(self.bucket_count))
 
     # -- run by DDP's reducer in C++ ------------------------------------------------------------
 
-    def _hand_over_to_cpp(self, last_index: int) -> None:
+    def _hand_over_to_cpp(self) -> None:
         """Switch the C++ hook on once this backward's path is final: fused, settled, every bucket planned."""
-        if self.mode != "fused" or self.calibration is not None or not self.settled or self.pending:
-            return
-        if sorted(self.frozen) != list(range(last_index + 1)):
+        if self.mode != "fused" or self.calibration is not None or self.pending or not self.planned_for_good():
             return
         if self.stream is not None:
             # Only the side stream, where the step runs, waits for every bucket; DDP's copies of
@@ -355,6 +359,7 @@ class Driver:
         collective; ``averaged[i]`` is bucket ``indices[i]``'s averaged gradient.
         """
         self.begin_backward(averaged[0].device)
+        self.bucket_count = len(indices)
         self.complete_all([self.averaged_item(index, tensor) for index, tensor in zip(indices, averaged, strict=True)])
         self.end_backward()
         self.finish_after_backward()

@@ -8,7 +8,9 @@ sends it to the other ranks. A bucket's ZeRO parameters are packed by owner into
 that they become views of: when the owned pieces are nearly equal they are padded to one size
 and one ``all_gather_into_tensor`` returns them all, otherwise each owner broadcasts its piece.
 On the fused path every bucket's owned parameters are stepped together at the last bucket, and
-the collectives of every bucket follow back to back.
+the collectives of every bucket follow back to back. Once DDP has settled its buckets, buckets of
+one owner each are laid out in groups across owners (:mod:`dcomm.ddp._zero.send_groups`), so that
+the fused path returns each group with one all-gather instead of one broadcast per bucket.
 
 Example::
 
@@ -18,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +32,8 @@ import dcomm.ddp._torch_private as private
 from dcomm.core import AveragePlan, completed_future, plan_average, start_allreduce
 from dcomm.ddp._zero.checks import averaging_dtype
 from dcomm.ddp._zero.driver import Driver, Setup, all_gather, all_gathers, averaged_bucket, optimizer_class
+from dcomm.ddp._zero.send_groups import SendGroup, choose_groups, pack_group
+from dcomm.ddp._zero.step_mode import logger
 
 
 @dataclass
@@ -66,6 +71,9 @@ class _BucketPlan:
     # settled, so the views are made once.
     grad_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     views_of: int = -1
+    # Set once DDP settled, for a bucket of one owner: ``flat`` is then the group's buffer, and the
+    # fused path sends the group's buckets with one all-gather.
+    group: SendGroup | None = None
 
 
 @dataclass
@@ -88,6 +96,8 @@ class ParameterDriver(Driver):
         zero.optim = optimizer_class(zero)(self.local_groups, **private.optim_defaults(zero))
         private.sync_param_groups(zero, zero.optim.param_groups, zero.param_groups)
         self.averages_itself = _is_allreduce_hook(setup.hook)
+        self.grouped = False  # the buckets of one owner each were put into send groups
+        self._group_after_wait = False
         self.average_plans: dict[tuple[torch.dtype, torch.device], AveragePlan] = {}
         # With find_unused_parameters=True, the ids of the parameters that got a gradient on this
         # rank since the last synchronized backward (as DDP's own used map, no_sync passes included).
@@ -178,6 +188,37 @@ class ParameterDriver(Driver):
     def end_backward(self) -> None:
         if self.used is not None:
             self.used.clear()
+        if not self.grouped and self.planned_for_good():
+            self._group_after_wait = True  # group the buckets once this pass's collectives are waited for
+
+    def finish(self) -> None:
+        super().finish()
+        if self._group_after_wait:
+            self._group_after_wait = False
+            self._group_sends()
+
+    @torch.no_grad()
+    def _group_sends(self) -> None:
+        """Lay the buckets of one owner each out in send groups (once, with no collective in flight)."""
+        self.grouped = True
+        single = [
+            plan
+            for _, plan in sorted(self.frozen.items())
+            if plan.flat is not None and not plan.gather and len(plan.owners) == 1
+        ]
+        sizes = [(plan.owners[0].numel, plan.owners[0].rank, _kind(plan)) for plan in single]
+        chosen = choose_groups(sizes, self.world)
+        for indices in chosen:
+            members = [single[i] for i in indices]
+            group, starts = pack_group([(plan.owners[0].rank, plan.owners[0].params) for plan in members], self.world)
+            for plan, start in zip(members, starts, strict=True):
+                plan.flat, plan.group, plan.owners[0].start = group.flat, group, start
+        if chosen and self.rank == 0:
+            logger.info(
+                "ZeRO overlap: %d buckets of one owner each now return in %d all-gathers instead of broadcasts",
+                sum(len(indices) for indices in chosen),
+                len(chosen),
+            )
 
     def _launch(self, state: Any, bucket: dist.GradBucket) -> _Update:
         plan = self.plan(bucket)
@@ -219,10 +260,19 @@ class ParameterDriver(Driver):
     def _step_and_send_all(self, items: list[_Update]) -> None:
         self._step_owned([owned for item in items for owned in self._owned_grads(item)])
         gathers = [pair for item in items for pair in self._gather_pairs(item.plan)]
+        # A send group whose every bucket was stepped here returns in one all-gather.
+        stepped = Counter(id(item.plan.group) for item in items if item.plan.group is not None)
+        whole: dict[int, SendGroup] = {}
+        for item in items:
+            group = item.plan.group
+            if group is not None and stepped[id(group)] == group.members:
+                whole[id(group)] = group
+        gathers += [group.pair(self.rank) for group in whole.values()]
         self.works.extend(all_gathers(gathers, self.group))
         for item in items:
-            if not item.plan.gather:
-                self._send(item.plan)
+            plan = item.plan
+            if not plan.gather and (plan.group is None or id(plan.group) not in whole):
+                self._send(plan)
 
     def _owned_grads(self, item: _Update) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(param, averaged gradient)`` of the parameters this rank owns in the bucket."""
@@ -292,6 +342,12 @@ class ParameterDriver(Driver):
         finally:
             for (p, _), g in zip(owned, saved, strict=True):
                 p.grad = g
+
+
+def _kind(plan: _BucketPlan) -> tuple[torch.dtype, torch.device]:
+    """What buckets must share to travel in one collective: their parameters' dtype and device."""
+    assert plan.flat is not None  # only planned buckets with ZeRO parameters are grouped
+    return plan.flat.dtype, plan.flat.device
 
 
 def _marks_used(used: set[int], key: int) -> Callable[[torch.Tensor], None]:

@@ -18,7 +18,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +37,7 @@ class SendGroup:
         return self.flat, self.flat[rank * self.piece : (rank + 1) * self.piece]
 
 
-def choose_groups(buckets: list[tuple[int, int, Hashable]], world: int) -> list[list[int]]:
+def choose_groups(buckets: Sequence[tuple[int, int, Hashable]], world: int) -> list[list[int]]:
     """Which buckets travel together: lists of indices into ``buckets``, each owner at most once.
 
     ``buckets[i]`` is ``(elements, owner rank, kind)``; only buckets of one kind (dtype and device)

@@ -854,9 +854,10 @@ def _waits_after_ddp(rank: int, world: int) -> list[str]:
 def _send_groups(rank: int, world: int) -> list[str]:
     """Once DDP settled, buckets of one owner each return in all-gathers of send groups; same parameters.
 
-    8 equal weights in buckets of one (shard_buckets=False: one owner each) make ``world``-sized
-    groups. On the fused path each settled step then sends every group with one all-gather and
-    broadcasts nothing; the per-bucket path still broadcasts each bucket, from its group's buffer.
+    8 equal weights in buckets of one (shard_buckets=False: one owner each) make groups of
+    ``world`` buckets (at world 3: 3, 3 and 2). On the fused path each settled step then sends
+    every group with one all-gather and broadcasts nothing; the per-bucket path still broadcasts
+    each bucket, from its group's buffer.
     """
     seen = []
     for builder in BUILDERS:
@@ -873,10 +874,13 @@ def _send_groups(rank: int, world: int) -> list[str]:
             with recorded_calls(dist, "broadcast", lambda *a, **k: 1) as broadcasts:
                 train_step(ddp, zero, x, overlap=True)
             train_step(ref_ddp, ref, x, overlap=False)
-            torch.testing.assert_close(flat_parameters(model), flat_parameters(ref_model), rtol=0, atol=0)
+            # Bit for bit at worlds 2 and 4; at world 3 the hook divides by 3 where DDP multiplies by 1/3.
+            exact = {"rtol": 0, "atol": 0} if world in (2, 4) else {}
+            torch.testing.assert_close(flat_parameters(model), flat_parameters(ref_model), **exact)
         assert driver.grouped, builder
-        groups = {id(plan.group) for plan in driver.frozen.values() if plan.group is not None}
-        assert len(groups) == 8 // world, (builder, len(groups))  # every bucket in a group of `world`
+        grouped = [plan.group for plan in driver.frozen.values() if plan.group is not None]
+        assert len(grouped) == 8, builder  # every bucket is in a group
+        assert len({id(group) for group in grouped}) == -(-8 // world), builder  # of `world` owners (3 at world 3)
         expected = 0 if driver.mode == "fused" else 8  # the last step's broadcasts
         assert len(broadcasts) == expected, (builder, driver.mode, len(broadcasts))
         seen.append(builder)
@@ -925,9 +929,7 @@ def test_world4_every_step_matches_non_overlapped_zero(step_mode: str) -> None:
 def test_accumulated_gradients_and_wrong_averaging(world: int, step_mode: str) -> None:
     """Accumulation without zero_grad equals plain ZeRO; a state or hook over other ranks raises; the
     parameter collectives are waited for after DDP's copy of the averaged gradients."""
-    parts = ["_accumulation", "_wrong_averaging", "_waits_after_ddp"]
-    if world in (2, 4):  # 8 buckets make whole groups
-        parts.append("_send_groups")
+    parts = ["_accumulation", "_wrong_averaging", "_waits_after_ddp", "_send_groups"]
     assert run_ranks(_suite, world, parts, step_mode, timeout=300) == [len(parts)] * world
 
 

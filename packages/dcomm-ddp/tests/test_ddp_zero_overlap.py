@@ -54,6 +54,14 @@ OPTIMS = {
 BUCKET_MB = 0.001  # 1 KB: the tiny model gets several buckets once DDP settles its layout
 STEP_PATHS = ("per_bucket", "fused")
 STEP_MODE = "per_bucket"  # the path every overlapped model of a rank process uses (see _suite)
+STEP_AT_LAUNCH = False  # hook_with_zero_step's per-bucket path steps each bucket at launch, as on CUDA
+
+
+def _configured(zero: ZeroRedundancyOptimizer) -> None:
+    """Apply the rank process's STEP_AT_LAUNCH to the driver of ``zero``'s hook (built just now)."""
+    driver = _driver(zero)
+    if hasattr(driver, "step_at_launch_off_cuda"):
+        driver.step_at_launch_off_cuda = STEP_AT_LAUNCH
 
 
 def make_model(even: bool = False) -> torch.nn.Module:
@@ -92,6 +100,7 @@ def overlapped(
     zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=cls, overlap_with_ddp=True, **kwargs)
     build = BUILDERS[builder]
     ddp.register_comm_hook(None, build(hook, ddp, zero, shard_buckets=shard, reduce_scatter=rs, step_mode=STEP_MODE))
+    _configured(zero)
     return model, ddp, zero
 
 
@@ -286,6 +295,7 @@ def _unused(rank: int, world: int) -> list[str]:
         ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam)
         hook = BUILDERS[builder](allreduce_hook, ddp, zero, shard_buckets=True, step_mode=STEP_MODE)
         ddp.register_comm_hook(None, hook)
+        _configured(zero)
         for step in range(8):
             if step == 6:
                 model.middle.weight.requires_grad_(False)
@@ -855,9 +865,10 @@ def _send_groups(rank: int, world: int) -> list[str]:
     """Once DDP settled, buckets of one owner each return in all-gathers of send groups; same parameters.
 
     8 equal weights in buckets of one (shard_buckets=False: one owner each) make groups of
-    ``world`` buckets (at world 3: 3, 3 and 2). On the fused path each settled step then sends
-    every group with one all-gather and broadcasts nothing; the per-bucket path still broadcasts
-    each bucket, from its group's buffer.
+    ``world`` buckets (at world 3: 3, 3 and 2). Where every parameter is sent at the last bucket
+    (the fused path, and hook_with_zero_step's per-bucket path) each settled step then sends every
+    group with one all-gather and broadcasts nothing; the interleaved per-bucket path still
+    broadcasts each bucket, from its group's buffer.
     """
     seen = []
     for builder in BUILDERS:
@@ -866,6 +877,7 @@ def _send_groups(rank: int, world: int) -> list[str]:
         ddp = DDP(model, bucket_cap_mb=0.0005)
         zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True)
         ddp.register_comm_hook(None, BUILDERS[builder](allreduce_hook, ddp, zero, step_mode=STEP_MODE))
+        _configured(zero)
         ref_ddp = DDP(ref_model, bucket_cap_mb=0.0005)
         ref = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam)
         driver = _driver(zero)
@@ -881,7 +893,8 @@ def _send_groups(rank: int, world: int) -> list[str]:
         grouped = [plan.group for plan in driver.frozen.values() if plan.group is not None]
         assert len(grouped) == 8, builder  # every bucket is in a group
         assert len({id(group) for group in grouped}) == -(-8 // world), builder  # of `world` owners (3 at world 3)
-        expected = 0 if driver.mode == "fused" else 8  # the last step's broadcasts
+        # The last step's broadcasts: none where every parameter is sent at the last bucket.
+        expected = 8 if builder == "interleaved" and driver.mode == "per_bucket" else 0
         assert len(broadcasts) == expected, (builder, driver.mode, len(broadcasts))
         seen.append(builder)
     return seen
@@ -890,9 +903,9 @@ def _send_groups(rank: int, world: int) -> list[str]:
 # -- the tests: few rank launches (each costs seconds), many checks per launch ---------------------
 
 
-def _suite(rank: int, world: int, parts: list[str], step_mode: str = "per_bucket") -> int:
-    global STEP_MODE
-    STEP_MODE = step_mode
+def _suite(rank: int, world: int, parts: list[str], step_mode: str = "per_bucket", at_launch: bool = False) -> int:
+    global STEP_MODE, STEP_AT_LAUNCH
+    STEP_MODE, STEP_AT_LAUNCH = step_mode, at_launch
     for part in parts:
         result = globals()[part](rank, world)
         if part == "_matrix":
@@ -931,6 +944,16 @@ def test_accumulated_gradients_and_wrong_averaging(world: int, step_mode: str) -
     parameter collectives are waited for after DDP's copy of the averaged gradients."""
     parts = ["_accumulation", "_wrong_averaging", "_waits_after_ddp", "_send_groups"]
     assert run_ranks(_suite, world, parts, step_mode, timeout=300) == [len(parts)] * world
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_per_bucket_steps_at_launch_match_non_overlapped_zero(world: int) -> None:
+    """hook_with_zero_step's per-bucket path stepping each bucket at launch (the CUDA behaviour, forced
+    on gloo): every step equals plain ZeRO, accumulation and unused parameters included, and every
+    parameter is sent at the last bucket in send groups."""
+    parts = ["_matrix", "_accumulation", "_unused", "_send_groups"]
+    assert run_ranks(_suite, world, parts, "per_bucket", True, timeout=300) == [len(parts)] * world
 
 
 @pytest.mark.parametrize("step_mode", STEP_PATHS)

@@ -75,9 +75,12 @@ the slower rank's median per path (an all-reduce, so every rank chooses the same
 faster path for good and logs the choice and both times once, on rank 0, at ``INFO`` level of
 the ``dcomm.ddp.zero_overlap`` logger; :func:`step_mode_of` returns it. For
 ``hook_with_zero_step`` with ``reduce_scatter=False`` ``"auto"`` is ``"fused"`` from the start
-(logged the same way): its per-bucket path also updates every bucket at the last one, only with
-one optimizer call per bucket, and measured slower on every GPU workload. Every path gives the same
-parameters, so the choice is not checkpointed: a restarted run calibrates again.
+(logged the same way). Its ``"per_bucket"`` path, on CUDA, queues each bucket's step on the side
+stream behind that bucket's allreduce (the host never waits), so the update overlaps the rest of
+backward and the remaining allreduces, and sends every parameter at the last bucket as the fused
+path does (off CUDA it is the fused path); it is not yet timed on GPUs, hence not chosen by
+``"auto"``. Every path gives the same parameters, so the choice is not checkpointed: a restarted
+run calibrates again.
 
 With ``find_unused_parameters=True`` a parameter that no rank used in a step (or that was frozen)
 is stepped with its untouched ``.grad``, skipped when None, as a non-overlapped ZeRO does; the

@@ -170,6 +170,11 @@ class Driver:
     def complete_all(self, items: list[Any]) -> None:
         raise NotImplementedError
 
+    def complete_at_last(self, items: list[Any]) -> None:
+        """The per-bucket path without interleaving: complete every bucket at the last one."""
+        for item in items:
+            self.complete(item)
+
     def start_backward(self) -> None:
         """Called on the first bucket of every backward."""
 
@@ -315,8 +320,7 @@ class Driver:
             while len(self.pending) > (0 if last else 1):
                 self.complete(self.pending.pop(0))
         elif last:
-            for queued in self.pending:
-                self.complete(queued)
+            self.complete_at_last(self.pending)
             self.pending.clear()
         if last:
             if not self.settled:

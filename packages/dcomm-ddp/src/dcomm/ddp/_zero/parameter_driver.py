@@ -85,6 +85,7 @@ class _Update:
     used: torch.Tensor | None = None  # per bucket parameter: 1 if any rank computed its gradient
     used_work: Any = None  # the MAX allreduce of ``used`` (find_unused_parameters=True only)
     used_here: bool = True  # this rank computed every gradient of the bucket: all are used, no need to look
+    stepped: bool = False  # its parameters were stepped at launch (the per-bucket path without interleaving)
 
 
 class ParameterDriver(Driver):
@@ -97,6 +98,7 @@ class ParameterDriver(Driver):
         private.sync_param_groups(zero, zero.optim.param_groups, zero.param_groups)
         self.averages_itself = _is_allreduce_hook(setup.hook)
         self.grouped = False  # the buckets of one owner each were put into send groups
+        self.step_at_launch_off_cuda = False  # see _steps_at_launch
         self._group_after_wait = False
         self.average_plans: dict[tuple[torch.dtype, torch.device], AveragePlan] = {}
         # With find_unused_parameters=True, the ids of the parameters that got a gradient on this
@@ -120,9 +122,26 @@ class ParameterDriver(Driver):
         return _Update(self.frozen[index], completed_future(averaged), averaged.data_ptr())
 
     def per_bucket_overlaps(self) -> bool:
-        # Without interleaving every bucket is updated at the last one, as on the fused path but
-        # with one optimizer call per bucket: slower in every GPU measurement (4x H100, 2x H200).
+        # Without interleaving, "auto" stays fused: the per-bucket path below (each bucket stepped
+        # on the side stream behind its allreduce, every parameter sent at the last bucket) has
+        # not been timed on GPUs yet; before it, that path was slower on every GPU measurement.
         return self.interleaved
+
+    def _steps_at_launch(self) -> bool:
+        """The per-bucket path without interleaving steps each bucket as soon as its allreduce is queued.
+
+        On CUDA the step waits for that bucket's collective on the side stream (the host never
+        blocks), so it overlaps the rest of backward and the remaining allreduces; the parameters
+        are all sent at the last bucket, in send groups. Off CUDA a wait would block the host, so
+        every bucket is stepped at the last one (``step_at_launch_off_cuda`` makes tests take this
+        path on gloo).
+        """
+        if self.mode != "per_bucket" or self.interleaved:
+            return False
+        return self.stream is not None or self.step_at_launch_off_cuda
+
+    def complete_at_last(self, items: list[_Update]) -> None:
+        self.complete_all(items)
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -183,6 +202,9 @@ class ParameterDriver(Driver):
                 pinned = torch.tensor(flags, dtype=torch.int32, pin_memory=device.type == "cuda")
                 update.used = pinned.to(device, non_blocking=True)
             update.used_work = start_allreduce(update.used, self.group, dist.ReduceOp.MAX)
+        if self._steps_at_launch():
+            self.in_stream(lambda: self._step_owned(self._owned_grads(update)))
+            update.stepped = True
         return update
 
     def end_backward(self) -> None:
@@ -250,7 +272,7 @@ class ParameterDriver(Driver):
         self.in_stream(lambda: self._step_and_send(item))
 
     def complete_all(self, items: list[_Update]) -> None:
-        """The fused path: one step over the owned parameters of every bucket, then send them all."""
+        """One step over the owned parameters of every bucket not stepped yet, then send them all."""
         self.in_stream(lambda: self._step_and_send_all(items))
 
     def _step_and_send(self, item: _Update) -> None:
@@ -258,7 +280,7 @@ class ParameterDriver(Driver):
         self._send(item.plan)
 
     def _step_and_send_all(self, items: list[_Update]) -> None:
-        self._step_owned([owned for item in items for owned in self._owned_grads(item)])
+        self._step_owned([owned for item in items if not item.stepped for owned in self._owned_grads(item)])
         gathers = [pair for item in items for pair in self._gather_pairs(item.plan)]
         # A send group whose every bucket was stepped here returns in one all-gather.
         stepped = Counter(id(item.plan.group) for item in items if item.plan.group is not None)

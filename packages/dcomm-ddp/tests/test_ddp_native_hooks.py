@@ -188,6 +188,16 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_waited_for(tmp_path: Path)
         native_hooks.clear_stale_lock(tmp_path, 180.0, clock=lambda: now + 200, sleep=pytest.fail)
     assert not lock.exists()
     native_hooks.clear_stale_lock(tmp_path, 180.0, sleep=pytest.fail)  # no lock: no wait
+    # A lock quiet for longer than a build: the wait says why, once, before the lock goes stale.
+    lock.touch()
+    times = iter([now + 90, now + 120, now + 200])
+    with pytest.warns(RuntimeWarning) as said:
+        native_hooks.clear_stale_lock(tmp_path, 180.0, clock=lambda: next(times), sleep=lambda seconds: None)
+    messages = [str(w.message) for w in said]
+    assert len(messages) == 2, messages
+    assert "waiting for" in messages[0], messages
+    assert "unchanged for" in messages[0], messages
+    assert "left by a build" in messages[1], messages
 
 
 _LOAD_WITH_A_STALE_LOCK = """

@@ -110,6 +110,8 @@ def switched(on: bool) -> Iterator[None]:
 
 STALE_BUILD_S = 180.0
 """A build lock whose directory has not changed for this long was left by a killed build."""
+QUIET_WARNING_S = 60.0
+"""Waiting on a lock whose directory has not changed for this long warns once (a build takes about 40 s)."""
 
 
 @functools.cache
@@ -159,7 +161,7 @@ def clear_stale_lock(
     builds in the directory; a build killed half-way (Ctrl-C during the first import) leaves it
     behind, and every later run would hang. A lock whose directory has not changed for
     ``stale_after_s`` (default :data:`STALE_BUILD_S`) is removed, with a warning, and the build
-    starts again.
+    starts again; waiting on one quiet for longer than a build takes warns once before that.
 
     Example::
 
@@ -167,7 +169,7 @@ def clear_stale_lock(
     """
     stale_after_s = STALE_BUILD_S if stale_after_s is None else stale_after_s
     lock = build_directory / "lock"
-    told = False
+    told = warned = False
     while lock.exists():
         quiet_s = clock() - _last_change(build_directory)
         if quiet_s > stale_after_s:
@@ -183,6 +185,15 @@ def clear_stale_lock(
         if not told:
             logger.info("dcomm.ddp: waiting for another process building the C++ DDP hooks (%s)", lock)
             told = True
+        if not warned and quiet_s > QUIET_WARNING_S:  # longer than a build: say why the run waits
+            warnings.warn(
+                f"dcomm.ddp: waiting for {lock}, unchanged for {quiet_s:.0f} s: a build of the C++ DDP hooks "
+                f"in another process, or one that was killed (removed after {stale_after_s:.0f} s without "
+                "progress)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            warned = True
         sleep(0.5)
 
 

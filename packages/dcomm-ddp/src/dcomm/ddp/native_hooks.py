@@ -97,15 +97,22 @@ def switched(on: bool) -> Iterator[None]:
         >>> with switched(False):  # doctest: +SKIP
         ...     ddp_model.register_comm_hook(None, bf16_compress_hook)  # a Python hook
     """
-    saved = os.environ.get(ENV_SWITCH)
-    os.environ[ENV_SWITCH] = "1" if on else "0"
+    with _environment_variable(ENV_SWITCH, "1" if on else "0"):
+        yield
+
+
+@contextlib.contextmanager
+def _environment_variable(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` inside the block; the variable is restored (or removed) after."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if saved is None:
-            del os.environ[ENV_SWITCH]
+            os.environ.pop(name, None)
         else:
-            os.environ[ENV_SWITCH] = saved
+            os.environ[name] = saved
 
 
 STALE_BUILD_S = 180.0
@@ -222,12 +229,8 @@ def _ninja_on_path() -> Iterator[None]:
     except ImportError:
         yield
         return
-    saved = os.environ.get("PATH", "")
-    os.environ["PATH"] = BIN_DIR + os.pathsep + saved
-    try:
+    with _environment_variable("PATH", BIN_DIR + os.pathsep + os.environ.get("PATH", "")):
         yield
-    finally:
-        os.environ["PATH"] = saved
 
 
 def _planner(group: dist.ProcessGroup, wire: torch.dtype | None) -> Callable[..., tuple[float, Any, Any]]:
@@ -281,16 +284,16 @@ def _register_comm_hook(reducer: Any, state: object, comm_hook: Callable[..., An
     driver once per backward, at the last bucket.
     """
     driver = _zero_driver(comm_hook)
-    if driver is not None and _enabled() and (extension := _extension()) is not None:
-        driver.native_switch = extension.register_average_hook(
-            reducer, driver.group, driver.plan_for_cpp, state, comm_hook, driver.run_last_bucket
-        )
-        return
-    native = comm_hook in _WIRE_DTYPE and (state is None or isinstance(state, dist.ProcessGroup))
-    extension = _extension() if native and _enabled() else None
+    averaging = comm_hook in _WIRE_DTYPE and (state is None or isinstance(state, dist.ProcessGroup))
+    extension = _extension() if (driver is not None or averaging) and _enabled() else None
     if extension is None:
         # Any other hook or state (the Python hook raises on a bad state, as torch's does).
         _TORCH_REGISTER(reducer, state, comm_hook)
+        return
+    if driver is not None:
+        driver.native_switch = extension.register_average_hook(
+            reducer, driver.group, driver.plan_for_cpp, state, comm_hook, driver.run_last_bucket
+        )
         return
     group = resolve_group(state)  # type: ignore[arg-type]
     extension.register_average_hook(

@@ -326,13 +326,17 @@ class Driver:
             if not self.settled:
                 for stale in [i for i in self.plans if i > index]:
                     del self.plans[stale]
-            self.bucket_count = index + 1
             self.wait_gradients()  # before DDP reads any bucket
-            self.end_backward()
-            self.finish_after_backward()
+            self._backward_ended(index + 1)
             if self.native_switch is not None:
                 self._hand_over_to_cpp()
         return item.fut
+
+    def _backward_ended(self, bucket_count: int) -> None:
+        """At the last bucket, every bucket handed over: the subclass's end, then the parameters' wait."""
+        self.bucket_count = bucket_count
+        self.end_backward()
+        self.finish_after_backward()
 
     def planned_for_good(self) -> bool:
         """Whether DDP has settled and every bucket of the last backward pass has its final plan."""
@@ -363,10 +367,8 @@ class Driver:
         collective; ``averaged[i]`` is bucket ``indices[i]``'s averaged gradient.
         """
         self.begin_backward(averaged[0].device)
-        self.bucket_count = len(indices)
         self.complete_all([self.averaged_item(index, tensor) for index, tensor in zip(indices, averaged, strict=True)])
-        self.end_backward()
-        self.finish_after_backward()
+        self._backward_ended(len(indices))
 
     def averaged_item(self, index: int, averaged: torch.Tensor) -> Any:
         """What :meth:`launch` would have returned for bucket ``index``, already averaged into ``averaged``."""

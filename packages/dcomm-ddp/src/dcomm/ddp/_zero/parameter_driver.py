@@ -99,7 +99,6 @@ class ParameterDriver(Driver):
         self.averages_itself = _is_allreduce_hook(setup.hook)
         self.grouped = False  # the buckets of one owner each were put into send groups
         self.step_at_launch_off_cuda = False  # see _steps_at_launch
-        self._group_after_wait = False
         self.average_plans: dict[tuple[torch.dtype, torch.device], AveragePlan] = {}
         # With find_unused_parameters=True, the ids of the parameters that got a gradient on this
         # rank since the last synchronized backward (as DDP's own used map, no_sync passes included).
@@ -210,14 +209,11 @@ class ParameterDriver(Driver):
     def end_backward(self) -> None:
         if self.used is not None:
             self.used.clear()
-        if not self.grouped and self.planned_for_good():
-            self._group_after_wait = True  # group the buckets once this pass's collectives are waited for
 
     def finish(self) -> None:
         super().finish()
-        if self._group_after_wait:
-            self._group_after_wait = False
-            self._group_sends()
+        if not self.grouped and self.planned_for_good():
+            self._group_sends()  # every collective of the pass is waited for: the parameters can move
 
     @torch.no_grad()
     def _group_sends(self) -> None:

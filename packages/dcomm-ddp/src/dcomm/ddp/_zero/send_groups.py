@@ -75,12 +75,11 @@ def pack_group(members: list[tuple[int, list[torch.Tensor]]], world: int) -> tup
 
     Returns the group and each member's start in ``flat``.
     """
-    sizes = [sum(p.numel() for p in params) for _, params in members]
-    piece = max(sizes)
+    piece = max(sum(p.numel() for p in params) for _, params in members)
     first = members[0][1][0]
     flat = torch.zeros(world * piece, dtype=first.dtype, device=first.device)
     starts = []
-    for (owner, params), _ in zip(members, sizes, strict=True):
+    for owner, params in members:
         start = offset = owner * piece
         for p in params:
             view = flat[offset : offset + p.numel()].view_as(p)

@@ -862,17 +862,25 @@ def _waits_after_ddp(rank: int, world: int) -> list[str]:
 
 
 def _send_groups(rank: int, world: int) -> list[str]:
-    """Once DDP settled, buckets of one owner each return in all-gathers of send groups; same parameters.
+    """Once DDP settled, the pieces that owners broadcast return in all-gathers of send groups; same parameters.
 
-    8 equal weights in buckets of one (shard_buckets=False: one owner each) make groups of
-    ``world`` buckets (at world 3: 3, 3 and 2). Where every parameter is sent at the last bucket
-    (the fused path, and hook_with_zero_step's per-bucket path) each settled step then sends every
-    group with one all-gather and broadcasts nothing; the interleaved per-bucket path still
-    broadcasts each bucket, from its group's buffer.
+    Two layouts, 8 layers each, buckets of one weight (shard_buckets=False):
+
+    - ``weights``: 8 equal weights without biases, one owner per bucket: groups of ``world``
+      pieces (at world 3: 3, 3 and 2);
+    - ``autocast``: weights and biases under bf16 autocast, where a weight's gradient arrives
+      after its cast's backward, so DDP's settled buckets pair each bias with the next weight
+      and mix two owners: 16 pieces, every one in a group (weights with weights, biases with
+      biases), and no bucket's old buffer kept.
+
+    Where every parameter is sent at the last bucket (the fused path, and hook_with_zero_step's
+    per-bucket path) each settled step then broadcasts nothing; the interleaved per-bucket path
+    still broadcasts each piece, from its group's buffer.
     """
     seen = []
-    for builder in BUILDERS:
-        model = torch.nn.Sequential(*(torch.nn.Linear(16, 16, bias=False) for _ in range(8)))
+    for layout, builder in itertools.product(("weights", "autocast"), BUILDERS):
+        bias = layout == "autocast"
+        model = torch.nn.Sequential(*(torch.nn.Linear(16, 16, bias=bias) for _ in range(8)))
         ref_model = copy.deepcopy(model)
         ddp = DDP(model, bucket_cap_mb=0.0005)
         zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True)
@@ -883,20 +891,33 @@ def _send_groups(rank: int, world: int) -> list[str]:
         driver = _driver(zero)
         for step in range(5):
             x = seeded_normal(100 * rank + step, (4, 16), scale=rank + 1, draw=torch.float32)
-            with recorded_calls(dist, "broadcast", lambda *a, **k: 1) as broadcasts:
-                train_step(ddp, zero, x, overlap=True)
-            train_step(ref_ddp, ref, x, overlap=False)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bias):
+                with recorded_calls(dist, "broadcast", lambda *a, **k: 1) as broadcasts:
+                    train_step(ddp, zero, x, overlap=True)
+                train_step(ref_ddp, ref, x, overlap=False)
             # Bit for bit at worlds 2 and 4; at world 3 the hook divides by 3 where DDP multiplies by 1/3.
             exact = {"rtol": 0, "atol": 0} if world in (2, 4) else {}
             torch.testing.assert_close(flat_parameters(model), flat_parameters(ref_model), **exact)
-        assert driver.grouped, builder
-        grouped = [plan.group for plan in driver.frozen.values() if plan.group is not None]
-        assert len(grouped) == 8, builder  # every bucket is in a group
-        assert len({id(group) for group in grouped}) == -(-8 // world), builder  # of `world` owners (3 at world 3)
+        assert driver.grouped, (layout, builder)
+        plans = list(driver.frozen.values())
+        if bias:  # the layout this case is about: buckets of two owners
+            assert sum(len(plan.owners) == 2 for plan in plans) == 7, (builder, [len(p.owners) for p in plans])
+        # Every piece is in a group but those of a bucket that the interleaved hook all-gathers
+        # on its own (two owners at world 2: one all-gather moves no more than their broadcasts).
+        kept_gathers = [plan for plan in plans if plan.gather]
+        assert builder == "interleaved" or not kept_gathers, (layout, builder)
+        pieces = [owner for plan in plans if not plan.gather for owner in plan.owners]
+        assert len(pieces) + sum(len(plan.owners) for plan in kept_gathers) == (16 if bias else 8), (layout, builder)
+        assert all(owner.group is not None for owner in pieces), (layout, builder)
+        assert all(plan.flat is None for plan in plans if not plan.gather), (layout, builder)  # no old buffer kept
+        groups = {id(owner.group): owner.group for owner in pieces}
+        if not kept_gathers:  # groups of `world` owners (3, 3 and 2 pieces at world 3)
+            assert len(groups) == (2 if bias else 1) * -(-8 // world), (layout, builder)
+        assert sum(group.members for group in groups.values()) == len(pieces), (layout, builder)
         # The last step's broadcasts: none where every parameter is sent at the last bucket.
-        expected = 8 if builder == "interleaved" and driver.mode == "per_bucket" else 0
-        assert len(broadcasts) == expected, (builder, driver.mode, len(broadcasts))
-        seen.append(builder)
+        expected = len(pieces) if builder == "interleaved" and driver.mode == "per_bucket" else 0
+        assert len(broadcasts) == expected, (layout, builder, driver.mode, len(broadcasts))
+        seen.append(f"{layout}-{builder}")
     return seen
 
 
@@ -919,7 +940,7 @@ def _suite(rank: int, world: int, parts: list[str], step_mode: str = "per_bucket
         if part == "_waits_after_ddp":
             assert len(result) == 3
         if part == "_send_groups":
-            assert len(result) == 2
+            assert len(result) == 4
         if part == "_wrong_averaging":
             assert result == 10
     return len(parts)

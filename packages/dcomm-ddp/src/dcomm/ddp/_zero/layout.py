@@ -84,7 +84,7 @@ class Shard:
         return tuple(id(p) for p in self.params)
 
 
-def _packed(params: list[torch.Tensor], size: int) -> tuple[torch.Tensor, list[int]]:
+def packed(params: list[torch.Tensor], size: int) -> tuple[torch.Tensor, list[int]]:
     """A zero buffer of ``size`` elements that ``params`` become views of, back to back."""
     first = params[0]
     flat = torch.zeros(size, dtype=first.dtype, device=first.device)
@@ -107,7 +107,7 @@ def pack_shards(
     for index, params in enumerate(buckets):
         numel = _numel(params)
         chunk = max(1, math.ceil(numel / world))
-        flat, offsets = _packed(params, world * chunk)
+        flat, offsets = packed(params, world * chunk)
         piece = flat[rank * chunk : (rank + 1) * chunk]
         piece.grad = grad = torch.zeros(chunk, dtype=flat.dtype, device=flat.device)
         dtype = flat.dtype if reduce_dtype is None else reduce_dtype

@@ -8,9 +8,12 @@ sends it to the other ranks. A bucket's ZeRO parameters are packed by owner into
 that they become views of: when the owned pieces are nearly equal they are padded to one size
 and one ``all_gather_into_tensor`` returns them all, otherwise each owner broadcasts its piece.
 On the fused path every bucket's owned parameters are stepped together at the last bucket, and
-the collectives of every bucket follow back to back. Once DDP has settled its buckets, buckets of
-one owner each are laid out in groups across owners (:mod:`dcomm.ddp._zero.send_groups`), so that
-the fused path returns each group with one all-gather instead of one broadcast per bucket.
+the collectives of every bucket follow back to back. Once DDP has settled its buckets, the pieces
+that owners broadcast (one owner's parameters in one bucket) are laid out in groups across owners
+(:mod:`dcomm.ddp._zero.send_groups`), so that the fused path returns each group with one all-gather
+instead of one broadcast per piece. Pieces, not buckets: where gradients arrive in another order than
+the parameters' (autocast puts a weight's cast between it and its layer's bias), DDP's settled
+buckets mix the owners chosen from the expected ones.
 
 Example::
 
@@ -32,21 +35,25 @@ import dcomm.ddp._torch_private as private
 from dcomm.core import AveragePlan, completed_future, plan_average, start_allreduce
 from dcomm.ddp._zero.checks import averaging_dtype
 from dcomm.ddp._zero.driver import Driver, Setup, all_gather, all_gathers, averaged_bucket, optimizer_class
+from dcomm.ddp._zero.layout import packed
 from dcomm.ddp._zero.send_groups import SendGroup, choose_groups, pack_group
 from dcomm.ddp._zero.step_mode import logger
 
 
 @dataclass
 class _Owner:
-    """The parameters of one bucket that one rank updates: one contiguous piece of ``plan.flat``."""
+    """The parameters of one bucket that one rank updates: one contiguous piece of ``flat``."""
 
     rank: int
     src: int  # global rank, for broadcast
-    start: int  # of the piece in plan.flat
+    flat: torch.Tensor  # the buffer the parameters are views of: the bucket's, or their send group's
+    start: int  # of the piece in flat
     numel: int
     params: list[torch.Tensor]
     offsets: list[int]  # of each parameter in the bucket's flat gradient
     positions: list[int]  # of each parameter in the bucket
+    # Set once DDP settled: the fused path sends the group's pieces with one all-gather.
+    group: SendGroup | None = None
 
 
 @dataclass
@@ -56,7 +63,8 @@ class _BucketPlan:
     ``flat`` holds the bucket's ZeRO parameters (they are views into it), packed by owner. With
     ``gather`` every owner's piece is padded to ``piece`` elements and laid out by rank
     (``[rank0 | rank1 | ...]``), so one ``all_gather_into_tensor`` returns the updated
-    parameters; otherwise pieces are packed back to back and each owner broadcasts its own.
+    parameters; otherwise pieces are packed back to back and each owner broadcasts its own, or,
+    once in a send group, lives in the group's buffer (``flat`` then holds the rest, or is None).
     """
 
     key: tuple[int, ...]
@@ -71,9 +79,6 @@ class _BucketPlan:
     # settled, so the views are made once.
     grad_views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     views_of: int = -1
-    # Set once DDP settled, for a bucket of one owner: ``flat`` is then the group's buffer, and the
-    # fused path sends the group's buckets with one all-gather.
-    group: SendGroup | None = None
 
 
 @dataclass
@@ -97,7 +102,7 @@ class ParameterDriver(Driver):
         zero.optim = optimizer_class(zero)(self.local_groups, **private.optim_defaults(zero))
         private.sync_param_groups(zero, zero.optim.param_groups, zero.param_groups)
         self.averages_itself = _is_allreduce_hook(setup.hook)
-        self.grouped = False  # the buckets of one owner each were put into send groups
+        self.grouped = False  # the broadcast pieces were put into send groups
         self.step_at_launch_off_cuda = False  # see _steps_at_launch
         self.average_plans: dict[tuple[torch.dtype, torch.device], AveragePlan] = {}
         # With find_unused_parameters=True, the ids of the parameters that got a gradient on this
@@ -179,7 +184,7 @@ class ParameterDriver(Driver):
                 packed += p.numel()
             src = dist.get_global_rank(self.group, rank)
             params_, offsets, positions = (list(column) for column in zip(*members, strict=True))
-            owners.append(_Owner(rank, src, start, sizes[rank], params_, offsets, positions))
+            owners.append(_Owner(rank, src, flat, start, sizes[rank], params_, offsets, positions))
             start += sizes[rank]
         mine = next((o for o in owners if o.rank == self.rank), None)
         return _BucketPlan(key, offset, owners, mine, flat, gather, piece)
@@ -217,24 +222,27 @@ class ParameterDriver(Driver):
 
     @torch.no_grad()
     def _group_sends(self) -> None:
-        """Lay the buckets of one owner each out in send groups (once, with no collective in flight)."""
+        """Lay the broadcast pieces out in send groups (once, with no collective in flight)."""
         self.grouped = True
-        single = [
-            plan
-            for _, plan in sorted(self.frozen.items())
-            if plan.flat is not None and not plan.gather and len(plan.owners) == 1
-        ]
-        sizes = [(plan.owners[0].numel, plan.owners[0].rank, _kind(plan)) for plan in single]
+        # A bucket of pieces padded to one size returns in one all-gather of its own. Where every
+        # parameter is sent at the last bucket (hook_with_zero_step, either path), its pieces may
+        # join groups across buckets too; the interleaved per-bucket path keeps that all-gather.
+        plans = [plan for _, plan in sorted(self.frozen.items()) if not (plan.gather and self.interleaved)]
+        pieces = [owner for plan in plans for owner in plan.owners]
+        sizes = [(owner.numel, owner.rank, (owner.flat.dtype, owner.flat.device)) for owner in pieces]
         chosen = choose_groups(sizes, self.world)
         for indices in chosen:
-            members = [single[i] for i in indices]
-            group, starts = pack_group([(plan.owners[0].rank, plan.owners[0].params) for plan in members], self.world)
-            for plan, start in zip(members, starts, strict=True):
-                plan.flat, plan.group, plan.owners[0].start = group.flat, group, start
+            members = [pieces[i] for i in indices]
+            group, starts = pack_group([(owner.rank, owner.params) for owner in members], self.world)
+            for owner, start in zip(members, starts, strict=True):
+                owner.flat, owner.start, owner.group = group.flat, start, group
+        for plan in plans:
+            _repack_ungrouped(plan)
         if chosen and self.rank == 0:
             logger.info(
-                "ZeRO overlap: %d buckets of one owner each now return in %d all-gathers instead of broadcasts",
+                "ZeRO overlap: %d pieces that owners broadcast (%d buckets) now return in %d all-gathers",
                 sum(len(indices) for indices in chosen),
+                len({id(plan) for plan in plans for owner in plan.owners if owner.group is not None}),
                 len(chosen),
             )
 
@@ -278,19 +286,15 @@ class ParameterDriver(Driver):
     def _step_and_send_all(self, items: list[_Update]) -> None:
         self._step_owned([owned for item in items if not item.stepped for owned in self._owned_grads(item)])
         gathers = [pair for item in items for pair in self._gather_pairs(item.plan)]
-        # A send group whose every bucket was stepped here returns in one all-gather.
-        stepped = Counter(id(item.plan.group) for item in items if item.plan.group is not None)
-        whole: dict[int, SendGroup] = {}
-        for item in items:
-            group = item.plan.group
-            if group is not None and stepped[id(group)] == group.members:
-                whole[id(group)] = group
+        # A send group whose every piece was stepped here returns in one all-gather.
+        grouped = [owner.group for item in items for owner in item.plan.owners if owner.group is not None]
+        stepped = Counter(id(group) for group in grouped)
+        whole = {id(group): group for group in grouped if stepped[id(group)] == group.members}
         gathers += [group.pair(self.rank) for group in whole.values()]
         self.works.extend(all_gathers(gathers, self.group))
         for item in items:
-            plan = item.plan
-            if not plan.gather and (plan.group is None or id(plan.group) not in whole):
-                self._send(plan)
+            if not item.plan.gather:
+                self._send(item.plan, sent=whole)
 
     def _owned_grads(self, item: _Update) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(param, averaged gradient)`` of the parameters this rank owns in the bucket."""
@@ -303,9 +307,9 @@ class ParameterDriver(Driver):
         mine = plan.mine
         if mine is None:
             return []
-        if plan.flat is not None and grad.dtype != plan.flat.dtype:
+        if grad.dtype != mine.flat.dtype:
             raise RuntimeError(
-                f"hook: the wrapped hook returned a {grad.dtype} bucket for {plan.flat.dtype} "
+                f"hook: the wrapped hook returned a {grad.dtype} bucket for {mine.flat.dtype} "
                 "parameters; wrap a hook that casts its result back to the bucket's dtype"
             )
         if self.stream is not None:
@@ -335,18 +339,17 @@ class ParameterDriver(Driver):
             return []
         return [(plan.flat, plan.flat[self.rank * plan.piece : (self.rank + 1) * plan.piece])]
 
-    def _send(self, plan: _BucketPlan) -> None:
-        """Return every owner's updated parameters to every rank."""
-        flat = plan.flat
-        if flat is None:
-            return
+    def _send(self, plan: _BucketPlan, sent: dict[int, SendGroup] | None = None) -> None:
+        """Return every owner's updated parameters to every rank (but the pieces of the groups in ``sent``)."""
         if plan.gather:
             # One collective returns every owner's updated piece to every rank.
             self.works.extend(all_gather(output, piece, self.group) for output, piece in self._gather_pairs(plan))
-        else:
-            for owner in plan.owners:
-                piece = flat[owner.start : owner.start + owner.numel]
-                self.works.append(dist.broadcast(piece, src=owner.src, group=self.group, async_op=True))
+            return
+        for owner in plan.owners:
+            if owner.group is not None and sent is not None and id(owner.group) in sent:
+                continue
+            piece = owner.flat[owner.start : owner.start + owner.numel]
+            self.works.append(dist.broadcast(piece, src=owner.src, group=self.group, async_op=True))
 
     def _step_owned(self, owned: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One local step of the ``owned`` parameters with the given gradients."""
@@ -362,10 +365,24 @@ class ParameterDriver(Driver):
                 p.grad = g
 
 
-def _kind(plan: _BucketPlan) -> tuple[torch.dtype, torch.device]:
-    """What buckets must share to travel in one collective: their parameters' dtype and device."""
-    assert plan.flat is not None  # only planned buckets with ZeRO parameters are grouped
-    return plan.flat.dtype, plan.flat.device
+@torch.no_grad()
+def _repack_ungrouped(plan: _BucketPlan) -> None:
+    """Move the pieces of ``plan`` left out of every send group into a buffer of their own.
+
+    The bucket's old buffer is then free, and the grouped pieces' memory is not held twice; the
+    pieces left out are broadcast (a bucket that had one all-gather for all its pieces no longer has).
+    """
+    rest = [owner for owner in plan.owners if owner.group is None]
+    if len(rest) == len(plan.owners):
+        return
+    plan.flat, plan.gather = None, False
+    if rest:
+        flat, offsets = packed([p for owner in rest for p in owner.params], sum(owner.numel for owner in rest))
+        first = 0  # each piece starts where its first parameter was packed
+        for owner in rest:
+            owner.flat, owner.start = flat, offsets[first]
+            first += len(owner.params)
+        plan.flat = flat
 
 
 def _marks_used(used: set[int], key: int) -> Callable[[torch.Tensor], None]:

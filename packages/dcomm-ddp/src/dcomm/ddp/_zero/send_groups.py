@@ -1,13 +1,14 @@
-"""Buckets owned by different ranks, sent back in one all-gather instead of one broadcast each.
+"""Pieces owned by different ranks, sent back in one all-gather instead of one broadcast each.
 
-With whole parameters per owner (``reduce_scatter=False``) most buckets have a single owner, which
-broadcasts its updated parameters. Broadcasts run one after the other, each over the links in one
-direction; an all-gather of one equal piece per rank moves the same bytes over every link in both
-directions at once (on 2 ranks, in about half the time). Once DDP has settled its buckets,
-:func:`choose_groups` puts single-owner buckets of different owners and like sizes together, and
-:func:`pack_group` lays each group's parameters out in one flat buffer, ``[rank 0's bucket |
-rank 1's | ...]`` padded to the largest, so that one in-place ``all_gather_into_tensor`` returns
-them all. A group is kept only where it moves no more per link than its broadcasts would:
+With whole parameters per owner (``reduce_scatter=False``) each owner broadcasts its piece of a
+bucket (its updated parameters there; most buckets have one owner, and DDP's settled buckets may
+mix owners where gradients arrive out of parameter order). Broadcasts run one after the other, each
+over the links in one direction; an all-gather of one equal piece per rank moves the same bytes
+over every link in both directions at once (on 2 ranks, in about half the time). Once DDP has
+settled its buckets, :func:`choose_groups` puts pieces of different owners and like sizes
+together, and :func:`pack_group` lays each group's parameters out in one flat buffer, ``[rank 0's
+piece | rank 1's | ...]`` padded to the largest, so that one in-place ``all_gather_into_tensor``
+returns them all. A group is kept only where it moves no more per link than its broadcasts would:
 ``(world - 1) * piece <= total``.
 
 Example::
@@ -26,34 +27,34 @@ import torch
 
 @dataclass
 class SendGroup:
-    """Buckets whose updated parameters travel in one all-gather of ``flat``."""
+    """Pieces whose updated parameters travel in one all-gather of ``flat``."""
 
-    flat: torch.Tensor  # world * piece elements; rank r's bucket at [r * piece, r * piece + its numel)
+    flat: torch.Tensor  # world * piece elements; rank r's piece at [r * piece, r * piece + its numel)
     piece: int
-    members: int  # buckets in the group
+    members: int  # pieces in the group
 
     def pair(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(output, this rank's piece)`` of the group's in-place all-gather."""
         return self.flat, self.flat[rank * self.piece : (rank + 1) * self.piece]
 
 
-def choose_groups(buckets: Sequence[tuple[int, int, Hashable]], world: int) -> list[list[int]]:
-    """Which buckets travel together: lists of indices into ``buckets``, each owner at most once.
+def choose_groups(pieces: Sequence[tuple[int, int, Hashable]], world: int) -> list[list[int]]:
+    """Which pieces travel together: lists of indices into ``pieces``, each owner at most once.
 
-    ``buckets[i]`` is ``(elements, owner rank, kind)``; only buckets of one kind (dtype and device)
-    share a group. Largest first, each bucket joins the first open group of its kind that lacks
-    its owner, so groups hold buckets of like sizes. Groups of one bucket, or that would move more
-    per link than broadcasts, are dropped (those buckets stay broadcasts).
+    ``pieces[i]`` is a piece's ``(elements, owner rank, kind)``; only pieces of one kind (dtype
+    and device) share a group. Largest first, each piece joins the first open group of its kind
+    that lacks its owner, so groups hold pieces of like sizes. Groups of one piece, or that would
+    move more per link than broadcasts, are dropped (those pieces stay broadcasts).
     """
-    order = sorted(range(len(buckets)), key=lambda i: (-buckets[i][0], i))
+    order = sorted(range(len(pieces)), key=lambda i: (-pieces[i][0], i))
     groups: list[list[int]] = []
     for i in order:
-        _, owner, kind = buckets[i]
+        _, owner, kind = pieces[i]
         home = next(
             (
                 group
                 for group in groups
-                if len(group) < world and buckets[group[0]][2] == kind and all(buckets[j][1] != owner for j in group)
+                if len(group) < world and pieces[group[0]][2] == kind and all(pieces[j][1] != owner for j in group)
             ),
             None,
         )
@@ -63,7 +64,7 @@ def choose_groups(buckets: Sequence[tuple[int, int, Hashable]], world: int) -> l
             home.append(i)
     kept = []
     for group in groups:
-        sizes = [buckets[i][0] for i in group]
+        sizes = [pieces[i][0] for i in group]
         if len(group) >= 2 and (world - 1) * max(sizes) <= sum(sizes):
             kept.append(sorted(group))
     return kept

@@ -19,7 +19,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dcomm.ddp import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved, step_mode_of
-from dcomm.ddp._zero.step_mode import PATHS, Calibration
+from dcomm.ddp._zero.step_mode import BLOCKS, PATHS, Calibration
 from dcomm_testing import flat_parameters, run_ranks, seeded_mlp, seeded_normal
 
 BUCKET_MB = 0.001  # several buckets once DDP settles its layout
@@ -62,14 +62,17 @@ def _agreement(rank: int, world: int) -> list[str]:
     # Case 3: the per-bucket path leaves 5 s of its work to the next iteration (its parameter
     # collectives wait in the next forward): 6 s per steady iteration against fused's 4 s. Timing
     # alternating passes would charge that spill to fused (9 s against 1 s) and choose per_bucket.
+    # Case 4: the per-bucket path must be 2% faster to be chosen.
     cases = [
         ({"per_bucket": 10.0 if rank == world - 1 else 1.0, "fused": 5.0}, "fused", 0.0),
         ({"per_bucket": 5.0, "fused": 10.0 if rank == 0 else 1.0}, "per_bucket", 0.0),
         ({"per_bucket": 1.0, "fused": 4.0}, "fused", 5.0),
+        # Case 4: per_bucket 1% faster is within the margin: fused.
+        ({"per_bucket": 9.9, "fused": 10.0}, "fused", 0.0),
     ]
     for durations, expected, spill in cases:
         now = [0.0]
-        calibration = Calibration(dist.group.WORLD, steps=3, warmup=1, clock=lambda now=now: now[0])
+        calibration = Calibration(dist.group.WORLD, steps=2, warmup=1, clock=lambda now=now: now[0])
         assert calibration.next_mode(settled=False, device=torch.device("cpu")) == "per_bucket"
         modes: list[str] = []
         while calibration.chosen is None:
@@ -77,15 +80,18 @@ def _agreement(rank: int, world: int) -> list[str]:
             spilled = spill if modes and modes[-1] == "per_bucket" else 0.0
             modes.append(mode)
             now[0] += durations[mode] + spilled  # this iteration took that long on this rank
-        # One block of 5 passes per path (4 timed intervals each), then the choice at the next.
-        assert modes[:-1] == [path for path in PATHS for _ in range(5)], modes
+        # Blocks of 4 passes, per-bucket, fused, fused, per-bucket (2 timed intervals each), then
+        # the choice at the next.
+        assert modes[:-1] == [path for path in BLOCKS for _ in range(4)], modes
         assert modes[-1] == expected, (durations, modes)
         assert calibration.next_mode(settled=True, device=torch.device("cpu")) == expected
         assert _all_ranks(expected) == [expected] * world
         chosen.append(modes[-1])
     lines = [m for m in records.messages if "step_mode='auto' chose" in m]
     if rank == 0:
-        assert len(lines) == 3, records.messages
+        assert len(lines) == 4, records.messages
+        assert "chose 'fused'" in lines[3], lines
+        assert "per_bucket 9900.000 ms, fused 10000.000 ms" in lines[3], lines
         assert "chose 'fused'" in lines[2], lines
         assert "per_bucket 6000.000 ms, fused 4000.000 ms" in lines[2], lines
         assert "chose 'fused'" in lines[0], lines
@@ -126,8 +132,8 @@ def _auto(rank: int, world: int) -> list[str]:
         # hook_with_zero_step with reduce_scatter=False has nothing to overlap per bucket: "fused" at once.
         fixed = build is hook_with_zero_step and not rs
         modes = []
-        # 1 unsettled backward, 10 timed ones (5 per path; step 7 has two), the choice at step 10's.
-        for step in range(13):
+        # 1 unsettled backward, 16 timed ones (8 per path; step 7 has two), the choice at step 16's.
+        for step in range(19):
             zero.zero_grad(set_to_none=True)
             ref_zero.zero_grad(set_to_none=True)
             if step == 7:  # accumulate over two backward passes, in the middle of the calibration
@@ -142,18 +148,18 @@ def _auto(rank: int, world: int) -> list[str]:
             torch.testing.assert_close(ours, theirs, **RS_TOL, msg=lambda m, w=where: f"{w}: {m}")
             modes.append(step_mode_of(hook))
         if fixed:
-            assert modes == ["fused"] * 13, (case, modes)
+            assert modes == ["fused"] * 19, (case, modes)
         else:
-            assert modes[:10] == [None] * 10, (case, modes)
-            assert modes[10] in PATHS, (case, modes)
-        assert modes[10:] == [modes[10]] * 3, (case, modes)
-        assert _all_ranks(modes[10]) == [modes[10]] * world, case
+            assert modes[:16] == [None] * 16, (case, modes)
+            assert modes[16] in PATHS, (case, modes)
+        assert modes[16:] == [modes[16]] * 3, (case, modes)
+        assert _all_ranks(modes[16]) == [modes[16]] * world, case
         lines = [m for m in records.messages[before:] if "step_mode='auto' chose" in m]
         assert len(lines) == (1 if rank == 0 else 0), (case, lines)
         if rank == 0:
-            assert f"chose {modes[10]!r}" in lines[0], lines
+            assert f"chose {modes[16]!r}" in lines[0], lines
             assert ("without timing" in lines[0]) == fixed, lines
-        chosen.append(modes[10])
+        chosen.append(modes[16])
     return chosen
 
 

@@ -36,9 +36,9 @@ __all__ = ["ZERO_HOOKS", "build_zero", "zero_case"]
 ZERO_HOOKS = {"step": "hook_with_zero_step", "interleaved": "hook_with_zero_step_interleaved"}
 
 STEP_MODES = ("fused", "per_bucket")
-WARMUP_STEPS = 14
+WARMUP_STEPS = 20
 """torch's overlap hooks only start updating parameters after 2-3 steps; dcomm's ``step_mode="auto"``
-times both paths over its 2nd to 11th backward passes and keeps one from the 12th."""
+times both paths over its 2nd to 17th backward passes and keeps one from the 18th."""
 
 
 def build_zero(

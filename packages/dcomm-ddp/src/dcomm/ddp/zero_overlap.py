@@ -61,26 +61,26 @@ after several Adam steps; bit-identical on 2 gloo ranks). ``zero.state_dict()`` 
 layout and non-overlapped ZeRO.
 
 ``step_mode`` (keyword-only) says when the local optimizer runs. ``"per_bucket"`` steps each
-bucket's parameters as described above, overlapping the update with the rest of backward: it
-pays when backward leaves the GPU idle long enough to hide the per-bucket work, e.g. few large
-buckets or a slow link. ``"fused"`` keeps the per-bucket gradient collectives but runs ONE
-``optim.step()`` (torch's foreach kernels on CUDA) over all of this rank's parameters at the last
-bucket, then issues every parameter collective back to back (all-gathers coalesced into one NCCL
-group where torch allows): it pays for models of many small tensors whose backward is bound by
-the host, where a step per bucket costs more host time than the overlap saves. ``"auto"`` (the
-default) runs the per-bucket path until DDP has settled its buckets, then runs 5 iterations of
-each path in one block per path and times 4 of each, start of backward to start of backward (the
-first of each block dropped; CUDA events, or the wall clock off CUDA), takes
-the slower rank's median per path (an all-reduce, so every rank chooses the same), keeps the
-faster path for good and logs the choice and both times once, on rank 0, at ``INFO`` level of
-the ``dcomm.ddp.zero_overlap`` logger; :func:`step_mode_of` returns it. For
+bucket's parameters as described above, overlapping the update with the rest of backward: it pays
+when backward leaves the GPU idle long enough to hide the per-bucket work, e.g. few large buckets or
+a slow link. ``"fused"`` keeps the per-bucket gradient collectives but runs ONE ``optim.step()``
+(torch's foreach kernels on CUDA) over all of this rank's parameters at the last bucket, then issues
+every parameter collective back to back (all-gathers coalesced into one NCCL group where torch
+allows): it pays for models of many small tensors whose backward is bound by the host, where a step
+per bucket costs more host time than the overlap saves. ``"auto"`` (the default) runs the per-bucket
+path until DDP has settled its buckets, then runs 16 iterations in blocks of 4 (per-bucket, fused,
+fused, per-bucket) and times 2 of each block, start of backward to start of backward (the first of
+each block dropped; CUDA events, or the wall clock off CUDA), takes the slower rank's median per
+path (an all-reduce, so every rank chooses the same), keeps the faster path for good (the per-bucket
+one only where it is at least 2% faster) and logs the choice and both times once, on rank 0, at
+``INFO`` level of the ``dcomm.ddp.zero_overlap`` logger; :func:`step_mode_of` returns it. For
 ``hook_with_zero_step`` with ``reduce_scatter=False`` ``"auto"`` is ``"fused"`` from the start
 (logged the same way). Its ``"per_bucket"`` path, on CUDA, queues each bucket's step on the side
 stream behind that bucket's allreduce (the host never waits), so the update overlaps the rest of
 backward and the remaining allreduces, and sends every parameter at the last bucket as the fused
 path does (off CUDA it is the fused path); it is not yet timed on GPUs, hence not chosen by
-``"auto"``. Every path gives the same parameters, so the choice is not checkpointed: a restarted
-run calibrates again.
+``"auto"``. Every path gives the same parameters, so the choice is not checkpointed: a restarted run
+calibrates again.
 
 With ``find_unused_parameters=True`` a parameter that no rank used in a step (or that was frozen)
 is stepped with its untouched ``.grad``, skipped when None, as a non-overlapped ZeRO does; the

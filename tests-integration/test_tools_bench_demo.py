@@ -36,7 +36,7 @@ EXPECTED_ROWS = {
     },
     "post-local-sgd": {"post-local-sgd/periodic", "post-local-sgd/hierarchical"},
     "zero": {"zero/bound", "zero/step", "zero/interleaved", "zero/step+rs", "zero/interleaved+rs"}
-    | {f"zero/{hook}+rs+gather_during_forward" for hook in ("step", "interleaved")}
+    | {f"zero/{hook}{rs}+gather_during_forward" for hook in ("step", "interleaved") for rs in ("", "+rs")}
     | {f"zero/step{rs} {mode}" for rs in ("", "+rs") for mode in ("fused", "per_bucket")}
     | {"zero/step C++ vs python"},
     "fsdp": {"fsdp/reduce_scatter", "fsdp/fp16", "fsdp/bf16", "fsdp/allreduce"},

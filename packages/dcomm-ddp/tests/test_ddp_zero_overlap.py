@@ -482,32 +482,43 @@ def _reordered(rank: int, world: int) -> list[str]:
 
 
 def _gather_during_forward(rank: int, world: int) -> list[str]:
-    """The next forward sees plain ZeRO's parameters, waiting module by module; state_dict waits."""
+    """The next forward sees plain ZeRO's parameters, waiting module by module; state_dict waits.
+
+    Both layouts: element-wise shards (``reduce_scatter=True``, one all-gather per shard) and whole
+    parameters per owner (the default: the send groups' all-gathers and the owners' broadcasts,
+    from the 4th step on in groups; 6 steps so that groups are formed and used).
+    """
     seen = []
-    for builder in BUILDERS:
-        case = f"gather-during-forward-{builder}"
+    for builder, rs in itertools.product(BUILDERS, (True, False)):
+        case = f"gather-during-forward-{builder}-rs{rs}"
         model, ref_model = make_model(), make_model()
         ddp, ref_ddp = DDP(model, bucket_cap_mb=BUCKET_MB), DDP(ref_model, bucket_cap_mb=BUCKET_MB)
         zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True)
         ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam)
         hook = BUILDERS[builder](
-            allreduce_hook, ddp, zero, reduce_scatter=True, step_mode=STEP_MODE, gather_during_forward=True
+            allreduce_hook, ddp, zero, reduce_scatter=rs, step_mode=STEP_MODE, gather_during_forward=True
         )
         ddp.register_comm_hook(None, hook)
         driver = _driver(zero)
-        for step in range(4):
+        just_grouped = False
+        for step in range(6):
             x = batch(rank, step)
             zero.zero_grad(set_to_none=True)
             ref_zero.zero_grad(set_to_none=True)
-            if step > 0:
-                # Updated slices still in flight, one all-gather per shard; none waited for yet.
-                assert len(driver.deferred) == len(driver.layout), (case, step, sorted(driver.deferred))
+            if step > 0 and not just_grouped:
+                # Every updated parameter still in flight; none waited for yet (with shards: one
+                # all-gather per shard). The backward that laid out the send groups waited for all.
+                assert set(driver.deferred) == {id(p) for p in model.parameters()}, (case, step)
+                if rs:
+                    assert len({id(work) for work in driver.deferred.values()}) == len(driver.layout), (case, step)
             ours, theirs = ddp(x).square().sum(), ref_ddp(x).square().sum()
             assert driver.deferred == {}, f"{case} step {step}: the forward did not wait for every module"
             torch.testing.assert_close(ours, theirs, **RS_TOL, msg=lambda m, c=case, s=step: f"{c} step {s}: {m}")
+            was_grouped = getattr(driver, "grouped", False)
             ours.backward()
             theirs.backward()
             ref_zero.step()
+            just_grouped = getattr(driver, "grouped", False) and not was_grouped
         # The state dict waits by itself; wait_for_parameters makes every parameter whole.
         state = {k: v.clone() for k, v in model.state_dict().items()}
         assert driver.deferred == {}
@@ -516,13 +527,12 @@ def _gather_during_forward(rank: int, world: int) -> list[str]:
         wait_for_parameters(hook)
         torch.testing.assert_close(flat_parameters(model), flat_parameters(ref_model), **RS_TOL)
         assert_same_on_ranks(flat_parameters(model), case)
+        if not rs:
+            assert driver.grouped, case
         seen.append(case)
-    # Only with reduce_scatter=True.
-    with pytest.raises(ValueError, match="gather_during_forward: True needs reduce_scatter=True"):
-        hook_with_zero_step(allreduce_hook, *_fresh_pair(), gather_during_forward=True)
     with pytest.raises(TypeError, match="gather_during_forward: expected True or False, got 1"):
         hook_with_zero_step(allreduce_hook, *_fresh_pair(), reduce_scatter=True, gather_during_forward=1)
-    wait_for_parameters(hook_with_zero_step(allreduce_hook, *_fresh_pair()))  # a no-op elsewhere
+    wait_for_parameters(hook_with_zero_step(allreduce_hook, *_fresh_pair()))  # a no-op without it
     return seen
 
 

@@ -4,8 +4,8 @@ Variants: non-overlapped ZeRO (the reference), ``no step`` (the same DDP forward
 no optimizer at all: no overlap of the step and its parameter collectives can beat it, so
 ``zero/bound`` is the floor of every ratio to the reference), torch's and dcomm's ``hook_with_zero_step`` and
 ``hook_with_zero_step_interleaved``, and dcomm's ``reduce_scatter=True`` mode of each (one
-reduce-scatter and one all-gather per bucket), also with ``gather_during_forward=True`` (``+gf``:
-the next forward waits for each module's parameters). dcomm's variants choose their step path
+reduce-scatter and one all-gather per bucket), and each also with ``gather_during_forward=True``
+(``+gf``: the next forward waits for each module's parameters). dcomm's variants choose their step path
 (``step_mode="auto"``, reported as ``step mode``); ``dcomm step fused``, ``dcomm step per_bucket``
 and their ``+rs`` forms force one. A ``reduce_scatter`` variant reports ``fallback_count`` of
 its hook: buckets allreduced instead, after DDP settled its buckets. ``dcomm step python`` is
@@ -52,7 +52,7 @@ def build_zero(
     """DDP + ZeroRedundancyOptimizer(Adam); ``overlap = (impl, hook row)`` steps inside backward.
 
     ``step_mode`` (dcomm only) forces a step path; None keeps the hook's default (``"auto"``).
-    ``gather_during_forward`` (dcomm, with ``reduce_scatter``) lets the next forward wait for
+    ``gather_during_forward`` (dcomm) lets the next forward wait for
     each module's parameters. ``python`` (dcomm): register the hook as a Python hook only.
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -100,10 +100,11 @@ def zero_case(ctx: Context) -> Case:
         case.variants[f"dcomm {name}+rs"] = lambda name=name: build_zero(ctx, ("dcomm", name), reduce_scatter=True)
         case.pairs.append(Pair(f"zero/{name}+rs", f"dcomm {name}+rs", f"torch {name}", "dcomm/torch"))
         case.pairs.append(Pair(f"zero/{name}+rs", f"dcomm {name}+rs", "no overlap", "dcomm/reference"))
-    for name in ZERO_HOOKS:
-        variant = f"dcomm {name}+rs+gf"
-        case.variants[variant] = lambda name=name: build_zero(ctx, ("dcomm", name), True, None, True)
-        case.pairs.append(Pair(f"zero/{name}+rs+gather_during_forward", variant, "no overlap", "dcomm/reference"))
+    for name, rs in itertools.product(ZERO_HOOKS, (False, True)):
+        variant = f"dcomm {name}{'+rs' if rs else ''}+gf"
+        case.variants[variant] = lambda name=name, rs=rs: build_zero(ctx, ("dcomm", name), rs, None, True)
+        label = f"zero/{name}{'+rs' if rs else ''}+gather_during_forward"
+        case.pairs.append(Pair(label, variant, "no overlap", "dcomm/reference"))
     # The two step paths forced (hook_with_zero_step; on the fused path the interleaved hook is the same).
     for mode, rs in itertools.product(STEP_MODES, (False, True)):
         variant = f"dcomm step{'+rs' if rs else ''} {mode}"

@@ -1,12 +1,12 @@
 """What every ZeRO overlap driver does per DDP bucket, whatever it owns.
 
-A driver is the state behind one wrapped hook. The base class runs the first-call checks, keeps
-the CUDA side stream, picks the step path of each backward pass (see
-:mod:`dcomm.ddp._zero.step_mode`), queues each bucket until it is updated (at once, behind the
-next bucket with the interleaved hook, or all together at the last bucket on the fused path),
-runs the local optimizer on a subset of its parameters, and waits for the parameter collectives
-before the next forward. :class:`ParameterDriver` and :class:`ShardedDriver` say what a bucket's
-update is.
+A driver is the state behind one wrapped hook. The base class runs the first-call checks, keeps the
+CUDA side stream, picks the step path of each backward pass (see :mod:`dcomm.ddp._zero.step_mode`),
+queues each bucket until it is updated (at once, behind the next bucket with the interleaved hook,
+or all together at the last bucket on the fused path), runs the local optimizer on a subset of its
+parameters, and waits for the parameter collectives before the next forward: at the end of backward,
+or, with ``gather_during_forward``, in each module's next forward for that module's own parameters.
+:class:`ParameterDriver` and :class:`ShardedDriver` say what a bucket's update is.
 
 Example::
 
@@ -121,6 +121,12 @@ class Driver:
         self.pending: list[Any] = []
         self.gradient_works: list[Any] = []  # the driver's own gradient collectives: waited at the last bucket
         self.works: list[Any] = []  # parameter collectives: waited once backward has ended
+        # With gather_during_forward, id(param) -> the collective bringing it back, waited for in
+        # the next forward of the module holding it (or at the next backward, for one that did not run).
+        self.deferred: dict[int, Any] = {}
+        self.gather_during_forward = setup.gather_during_forward
+        if self.gather_during_forward:
+            self._install_forward_waits(setup.ddp.module)
         self.stream: Any = None
         self.fallbacks = 0  # buckets allreduced instead of reduce-scattered once DDP settled
         mode = setup.step_mode
@@ -181,6 +187,39 @@ class Driver:
     def end_backward(self) -> None:
         """Called on the last bucket of every backward, before :meth:`finish_after_backward`."""
 
+    # -- gather_during_forward ------------------------------------------------------------------
+
+    def _install_forward_waits(self, root: torch.nn.Module) -> None:
+        """Before each module's forward, wait for the collectives bringing back its own parameters.
+
+        A module waits only for its own parameters (``recurse=False``), so the first layers of the
+        next forward run while the last layers' parameters are still on their way. Reading the
+        state dict of ``root`` waits for all of them.
+        """
+        for module in root.modules():
+            keys = tuple(id(p) for p in module.parameters(recurse=False))
+            if keys:
+                module.register_forward_pre_hook(self._forward_wait(keys))
+        root.register_state_dict_pre_hook(lambda *_: self.wait_deferred())
+
+    def _forward_wait(self, keys: tuple[int, ...]) -> Callable[..., None]:
+        def wait(module: torch.nn.Module, args: Any) -> None:
+            deferred = self.deferred
+            if deferred:
+                _wait_each([work for key in keys if (work := deferred.pop(key, None)) is not None])
+
+        return wait
+
+    def defer(self, params: list[torch.Tensor], work: Any) -> None:
+        """Leave ``work`` (bringing back ``params``) to the next forward of the modules holding them."""
+        for p in params:
+            self.deferred[id(p)] = work
+
+    def wait_deferred(self) -> None:
+        """Wait for every deferred collective (a stream wait on CUDA): the parameters are whole."""
+        deferred, self.deferred = self.deferred, {}
+        _wait_each(list(deferred.values()))
+
     # -- shared machinery ----------------------------------------------------------------------
 
     def plan(self, bucket: dist.GradBucket) -> Any:
@@ -236,6 +275,8 @@ class Driver:
             self.mode = self.calibration.next_mode(self.settled, device)
             if self.calibration.chosen is not None:
                 self.calibration = None
+        # Parameters whose modules did not run in the forward: back before their owners step them again.
+        self.wait_deferred()
         self.start_backward()
 
     def finish(self) -> None:
@@ -291,6 +332,7 @@ class Driver:
         self.pending.clear()
         self.wait_gradients()
         self.finish()
+        self.wait_deferred()
 
     # -- the hook -----------------------------------------------------------------------------------
 
@@ -373,3 +415,12 @@ class Driver:
     def averaged_item(self, index: int, averaged: torch.Tensor) -> Any:
         """What :meth:`launch` would have returned for bucket ``index``, already averaged into ``averaged``."""
         raise NotImplementedError
+
+
+def _wait_each(works: list[Any]) -> None:
+    """Wait for each distinct work once (one collective may bring back several parameters)."""
+    seen: set[int] = set()
+    for work in works:
+        if id(work) not in seen:
+            seen.add(id(work))
+            work.wait()  # a stream wait on CUDA

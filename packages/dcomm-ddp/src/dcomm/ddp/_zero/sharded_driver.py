@@ -30,7 +30,6 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,40 +88,6 @@ class ShardedDriver(Driver):
         zero.optim = optimizer_class(zero)([s.slice for s in self.layout], **private.optim_defaults(zero))
         private.sync_param_groups(zero, zero.optim.param_groups, zero.param_groups)
         checkpoint.install(zero, self.layout)
-        self.deferred: dict[int, Any] = {}  # shard index -> its all-gather, waited for in the next forward
-        self.gather_during_forward = setup.gather_during_forward
-        if self.gather_during_forward:
-            self._install_forward_waits(setup.ddp.module)
-
-    # -- gather_during_forward ------------------------------------------------------------------
-
-    def _install_forward_waits(self, root: torch.nn.Module) -> None:
-        """Before each module's forward, wait for the all-gathers of the shards holding its parameters.
-
-        A module waits only for its own parameters (``recurse=False``), so the first layers of the
-        next forward run while the last layers' parameters are still being gathered. Reading the
-        state dict of ``root`` waits for every shard.
-        """
-        for module in root.modules():
-            indices = {self.where[id(p)][0].index for p in module.parameters(recurse=False) if id(p) in self.where}
-            if indices:
-                module.register_forward_pre_hook(self._forward_wait(tuple(sorted(indices))))
-        root.register_state_dict_pre_hook(lambda *_: self.wait_deferred())
-
-    def _forward_wait(self, indices: tuple[int, ...]) -> Callable[..., None]:
-        def wait(module: torch.nn.Module, args: Any) -> None:
-            for index in indices:
-                work = self.deferred.pop(index, None)
-                if work is not None:
-                    work.wait()  # a stream wait on CUDA
-
-        return wait
-
-    def wait_deferred(self) -> None:
-        """Wait for every all-gather still pending (a stream wait on CUDA): the parameters are whole."""
-        deferred, self.deferred = self.deferred, {}
-        for work in deferred.values():
-            work.wait()
 
     def _gather(self, shards: list[Shard]) -> None:
         """All-gather the updated slices of ``shards`` into their flat buffers.
@@ -134,7 +99,7 @@ class ShardedDriver(Driver):
             self.works.extend(all_gathers([(shard.flat, shard.slice) for shard in shards], self.group))
             return
         for shard in sorted(shards, key=lambda shard: -shard.index):  # buckets hold the last layers first
-            self.deferred[shard.index] = all_gather(shard.flat, shard.slice, self.group)
+            self.defer(shard.params, all_gather(shard.flat, shard.slice, self.group))
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -215,8 +180,6 @@ class ShardedDriver(Driver):
     # -- per-bucket work ----------------------------------------------------------------------
 
     def start_backward(self) -> None:
-        # A shard whose modules did not run in the forward: gathered before its slice steps again.
-        self.wait_deferred()
         self._counting = [0, 0]
 
     def launch(self, state: Any, bucket: dist.GradBucket) -> _Pending:
@@ -284,6 +247,5 @@ class ShardedDriver(Driver):
 
     def reset(self) -> None:
         super().reset()
-        self.wait_deferred()
         for shard in self.layout:
             shard.seen = 0

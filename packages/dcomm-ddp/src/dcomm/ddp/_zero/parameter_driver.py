@@ -89,6 +89,14 @@ class _Send:
     gather: tuple[torch.Tensor, torch.Tensor] | None = None
     broadcast: tuple[torch.Tensor, int] | None = None
 
+    def start(self, group: dist.ProcessGroup) -> Any:
+        """Issue the collective on ``group``; its work."""
+        if self.gather is not None:
+            return all_gather(*self.gather, group)
+        assert self.broadcast is not None  # a send is one or the other
+        piece, src = self.broadcast
+        return dist.broadcast(piece, src=src, group=group, async_op=True)
+
 
 @dataclass
 class _Update:
@@ -383,20 +391,11 @@ class ParameterDriver(Driver):
         """
         if not self.gather_during_forward:
             self.works.extend(all_gathers([send.gather for send in sends if send.gather is not None], self.group))
-            for send in sends:
-                if send.broadcast is not None:
-                    piece, src = send.broadcast
-                    self.works.append(dist.broadcast(piece, src=src, group=self.group, async_op=True))
+            self.works.extend(send.start(self.group) for send in sends if send.broadcast is not None)
             return
         position = self.position
-        for send in sorted(sends, key=lambda send: min(position.get(id(p), 0) for p in send.params)):
-            if send.gather is not None:
-                work = all_gather(*send.gather, self.group)
-            else:
-                assert send.broadcast is not None  # a send is one or the other
-                piece, src = send.broadcast
-                work = dist.broadcast(piece, src=src, group=self.group, async_op=True)
-            self.defer(send.params, work)
+        for send in sorted(sends, key=lambda send: min((position.get(id(p), 0) for p in send.params), default=0)):
+            self.defer(send.params, send.start(self.group))
 
     def _step_owned(self, owned: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One local step of the ``owned`` parameters with the given gradients."""

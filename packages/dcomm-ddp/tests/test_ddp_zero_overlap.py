@@ -482,7 +482,7 @@ def _reordered(rank: int, world: int) -> list[str]:
 
 
 def _gather_during_forward(rank: int, world: int) -> list[str]:
-    """The next forward sees plain ZeRO's parameters, waiting module by module; state_dict waits.
+    """The next forward sees plain ZeRO's parameters, waiting module by module; state_dict and load_state_dict wait.
 
     Both layouts: element-wise shards (``reduce_scatter=True``, one all-gather per shard) and whole
     parameters per owner (the default: the send groups' all-gathers and the owners' broadcasts,
@@ -529,6 +529,13 @@ def _gather_during_forward(rank: int, world: int) -> list[str]:
         assert_same_on_ranks(flat_parameters(model), case)
         if not rs:
             assert driver.grouped, case
+        # Loading a state dict waits first: nothing still in flight can write over what it loads.
+        x = batch(rank, 9)
+        ddp(x).square().sum().backward()
+        assert driver.deferred, case
+        model.load_state_dict(ref_model.state_dict())
+        assert driver.deferred == {}, f"{case}: load_state_dict left collectives in flight"
+        torch.testing.assert_close(flat_parameters(model), flat_parameters(ref_model), rtol=0, atol=0)
         seen.append(case)
     with pytest.raises(TypeError, match="gather_during_forward: expected True or False, got 1"):
         hook_with_zero_step(allreduce_hook, *_fresh_pair(), reduce_scatter=True, gather_during_forward=1)

@@ -194,13 +194,15 @@ class Driver:
 
         A module waits only for its own parameters (``recurse=False``), so the first layers of the
         next forward run while the last layers' parameters are still on their way. Reading the
-        state dict of ``root`` waits for all of them.
+        state dict of ``root`` waits for all of them, and so does loading one (a collective still
+        in flight would write over the loaded values).
         """
         for module in root.modules():
             keys = tuple(id(p) for p in module.parameters(recurse=False))
             if keys:
                 module.register_forward_pre_hook(self._forward_wait(keys))
         root.register_state_dict_pre_hook(lambda *_: self.wait_deferred())
+        root.register_load_state_dict_pre_hook(lambda *_: self.wait_deferred())
 
     def _forward_wait(self, keys: tuple[int, ...]) -> Callable[..., None]:
         def wait(module: torch.nn.Module, args: Any) -> None:

@@ -183,7 +183,8 @@ def wait_for_parameters(hook: Callable[..., Any]) -> None:
     """Make every parameter whole now (a stream wait on CUDA) under ``gather_during_forward=True``.
 
     Needed only before reading parameters outside a forward of the module that owns them, with
-    the state dict excepted (it waits by itself); a no-op for a hook built without it.
+    the state dict excepted (saving or loading it waits by itself); a no-op for a hook built
+    without it.
 
     Args:
         hook: what :func:`hook_with_zero_step` or :func:`hook_with_zero_step_interleaved` returned.

@@ -838,6 +838,21 @@ def _released(rank: int, world: int) -> list[str]:
         gc.collect()
         assert [ref() is None for ref in refs] == [True] * 3, (builder, rs)
         seen.append(f"{builder}-rs{rs}")
+    # A model that outlives its DDP and ZeRO (wrapped again, say) does not keep them alive through
+    # the forward and state-dict hooks of gather_during_forward.
+    for rs in (False, True):
+        ddp, zero = _fresh_pair()
+        model = ddp.module
+        hook = hook_with_zero_step(allreduce_hook, ddp, zero, reduce_scatter=rs, gather_during_forward=True)
+        ddp.register_comm_hook(None, hook)
+        for step in range(3):
+            ddp(batch(rank, step)).sum().backward()
+        refs = [weakref.ref(ddp), weakref.ref(zero)]
+        del ddp, zero, hook
+        gc.collect()
+        assert [ref() is None for ref in refs] == [True] * 2, f"gather_during_forward rs={rs}"
+        model(batch(rank, 9)).sum().backward()  # its hooks still run, and do nothing
+        model.load_state_dict(model.state_dict())
     return seen
 
 

@@ -195,22 +195,22 @@ class Driver:
         A module waits only for its own parameters (``recurse=False``), so the first layers of the
         next forward run while the last layers' parameters are still on their way. Reading the
         state dict of ``root`` waits for all of them, and so does loading one (a collective still
-        in flight would write over the loaded values).
+        in flight would write over the loaded values). The hooks hold the driver weakly: a model
+        that outlives its DDP and ZeRO (wrapped again, say) does not keep them alive.
         """
+        driver = weakref.ref(self)
+
+        def wait_all(*_: Any) -> None:
+            alive = driver()
+            if alive is not None:
+                alive.wait_deferred()
+
         for module in root.modules():
             keys = tuple(id(p) for p in module.parameters(recurse=False))
             if keys:
-                module.register_forward_pre_hook(self._forward_wait(keys))
-        root.register_state_dict_pre_hook(lambda *_: self.wait_deferred())
-        root.register_load_state_dict_pre_hook(lambda *_: self.wait_deferred())
-
-    def _forward_wait(self, keys: tuple[int, ...]) -> Callable[..., None]:
-        def wait(module: torch.nn.Module, args: Any) -> None:
-            deferred = self.deferred
-            if deferred:
-                _wait_each([work for key in keys if (work := deferred.pop(key, None)) is not None])
-
-        return wait
+                module.register_forward_pre_hook(_forward_wait(driver, keys))
+        root.register_state_dict_pre_hook(wait_all)
+        root.register_load_state_dict_pre_hook(wait_all)
 
     def defer(self, params: list[torch.Tensor], work: Any) -> None:
         """Leave ``work`` (bringing back ``params``) to the next forward of the modules holding them."""
@@ -417,6 +417,18 @@ class Driver:
     def averaged_item(self, index: int, averaged: torch.Tensor) -> Any:
         """What :meth:`launch` would have returned for bucket ``index``, already averaged into ``averaged``."""
         raise NotImplementedError
+
+
+def _forward_wait(driver: weakref.ref[Driver], keys: tuple[int, ...]) -> Callable[..., None]:
+    """A forward pre-hook waiting for the deferred collectives of the parameters ``keys``."""
+
+    def wait(module: torch.nn.Module, args: Any) -> None:
+        alive = driver()
+        if alive is not None and alive.deferred:
+            deferred = alive.deferred
+            _wait_each([work for key in keys if (work := deferred.pop(key, None)) is not None])
+
+    return wait
 
 
 def _wait_each(works: list[Any]) -> None:

@@ -500,6 +500,7 @@ def _gather_during_forward(rank: int, world: int) -> list[str]:
         )
         ddp.register_comm_hook(None, hook)
         driver = _driver(zero)
+        waits = driver.forward_waits
         just_grouped = False
         for step in range(6):
             x = batch(rank, step)
@@ -508,11 +509,11 @@ def _gather_during_forward(rank: int, world: int) -> list[str]:
             if step > 0 and not just_grouped:
                 # Every updated parameter still in flight; none waited for yet (with shards: one
                 # all-gather per shard). The backward that laid out the send groups waited for all.
-                assert set(driver.deferred) == {id(p) for p in model.parameters()}, (case, step)
+                assert set(waits.deferred) == {id(p) for p in model.parameters()}, (case, step)
                 if rs:
-                    assert len({id(work) for work in driver.deferred.values()}) == len(driver.layout), (case, step)
+                    assert len({id(work) for work in waits.deferred.values()}) == len(driver.layout), (case, step)
             ours, theirs = ddp(x).square().sum(), ref_ddp(x).square().sum()
-            assert driver.deferred == {}, f"{case} step {step}: the forward did not wait for every module"
+            assert waits.deferred == {}, f"{case} step {step}: the forward did not wait for every module"
             torch.testing.assert_close(ours, theirs, **RS_TOL, msg=lambda m, c=case, s=step: f"{c} step {s}: {m}")
             was_grouped = getattr(driver, "grouped", False)
             ours.backward()
@@ -521,7 +522,7 @@ def _gather_during_forward(rank: int, world: int) -> list[str]:
             just_grouped = getattr(driver, "grouped", False) and not was_grouped
         # The state dict waits by itself; wait_for_parameters makes every parameter whole.
         state = {k: v.clone() for k, v in model.state_dict().items()}
-        assert driver.deferred == {}
+        assert waits.deferred == {}
         for key, value in ref_model.state_dict().items():
             torch.testing.assert_close(state[key], value, **RS_TOL)
         wait_for_parameters(hook)
@@ -532,9 +533,9 @@ def _gather_during_forward(rank: int, world: int) -> list[str]:
         # Loading a state dict waits first: nothing still in flight can write over what it loads.
         x = batch(rank, 9)
         ddp(x).square().sum().backward()
-        assert driver.deferred, case
+        assert waits.deferred, case
         model.load_state_dict(ref_model.state_dict())
-        assert driver.deferred == {}, f"{case}: load_state_dict left collectives in flight"
+        assert waits.deferred == {}, f"{case}: load_state_dict left collectives in flight"
         torch.testing.assert_close(flat_parameters(model), flat_parameters(ref_model), rtol=0, atol=0)
         seen.append(case)
     with pytest.raises(TypeError, match="gather_during_forward: expected True or False, got 1"):

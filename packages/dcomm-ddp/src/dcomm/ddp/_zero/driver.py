@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dcomm.ddp._torch_private as private
 from dcomm.core import all_gather_single, start_all_gather
+from dcomm.ddp._zero.forward_waits import ForwardWaits
 from dcomm.ddp._zero.layout import partition
 from dcomm.ddp._zero.step_mode import Calibration, log_fixed_choice, logger
 
@@ -121,12 +122,9 @@ class Driver:
         self.pending: list[Any] = []
         self.gradient_works: list[Any] = []  # the driver's own gradient collectives: waited at the last bucket
         self.works: list[Any] = []  # parameter collectives: waited once backward has ended
-        # With gather_during_forward, id(param) -> the collective bringing it back, waited for in
-        # the next forward of the module holding it (or at the next backward, for one that did not run).
-        self.deferred: dict[int, Any] = {}
-        self.gather_during_forward = setup.gather_during_forward
-        if self.gather_during_forward:
-            self._install_forward_waits(setup.ddp.module)
+        # With gather_during_forward, the parameter collectives each module's next forward waits
+        # for (or the next backward, for a module that did not run).
+        self.forward_waits = ForwardWaits(setup.ddp.module) if setup.gather_during_forward else None
         self.stream: Any = None
         self.fallbacks = 0  # buckets allreduced instead of reduce-scattered once DDP settled
         mode = setup.step_mode
@@ -189,38 +187,15 @@ class Driver:
 
     # -- gather_during_forward ------------------------------------------------------------------
 
-    def _install_forward_waits(self, root: torch.nn.Module) -> None:
-        """Before each module's forward, wait for the collectives bringing back its own parameters.
-
-        A module waits only for its own parameters (``recurse=False``), so the first layers of the
-        next forward run while the last layers' parameters are still on their way. Reading the
-        state dict of ``root`` waits for all of them, and so does loading one (a collective still
-        in flight would write over the loaded values). The hooks hold the driver weakly: a model
-        that outlives its DDP and ZeRO (wrapped again, say) does not keep them alive.
-        """
-        driver = weakref.ref(self)
-
-        def wait_all(*_: Any) -> None:
-            alive = driver()
-            if alive is not None:
-                alive.wait_deferred()
-
-        for module in root.modules():
-            keys = tuple(id(p) for p in module.parameters(recurse=False))
-            if keys:
-                module.register_forward_pre_hook(_forward_wait(driver, keys))
-        root.register_state_dict_pre_hook(wait_all)
-        root.register_load_state_dict_pre_hook(wait_all)
-
     def defer(self, params: list[torch.Tensor], work: Any) -> None:
-        """Leave ``work`` (bringing back ``params``) to the next forward of the modules holding them."""
-        for p in params:
-            self.deferred[id(p)] = work
+        """Leave ``work`` (bringing back ``params``) to the next forward (``gather_during_forward`` only)."""
+        assert self.forward_waits is not None  # only drivers built with gather_during_forward defer
+        self.forward_waits.defer(params, work)
 
     def wait_deferred(self) -> None:
-        """Wait for every deferred collective (a stream wait on CUDA): the parameters are whole."""
-        deferred, self.deferred = self.deferred, {}
-        _wait_each(list(deferred.values()))
+        """Wait for every deferred parameter collective (a stream wait on CUDA); a no-op without any."""
+        if self.forward_waits is not None:
+            self.forward_waits.wait_all()
 
     # -- shared machinery ----------------------------------------------------------------------
 
@@ -417,24 +392,3 @@ class Driver:
     def averaged_item(self, index: int, averaged: torch.Tensor) -> Any:
         """What :meth:`launch` would have returned for bucket ``index``, already averaged into ``averaged``."""
         raise NotImplementedError
-
-
-def _forward_wait(driver: weakref.ref[Driver], keys: tuple[int, ...]) -> Callable[..., None]:
-    """A forward pre-hook waiting for the deferred collectives of the parameters ``keys``."""
-
-    def wait(module: torch.nn.Module, args: Any) -> None:
-        alive = driver()
-        if alive is not None and alive.deferred:
-            deferred = alive.deferred
-            _wait_each([work for key in keys if (work := deferred.pop(key, None)) is not None])
-
-    return wait
-
-
-def _wait_each(works: list[Any]) -> None:
-    """Wait for each distinct work once (one collective may bring back several parameters)."""
-    seen: set[int] = set()
-    for work in works:
-        if id(work) not in seen:
-            seen.add(id(work))
-            work.wait()  # a stream wait on CUDA

@@ -389,7 +389,7 @@ class ParameterDriver(Driver):
         allows. With ``gather_during_forward`` each collective goes alone, the first layers' first,
         and each module's next forward waits for those of its own parameters.
         """
-        if not self.gather_during_forward:
+        if self.forward_waits is None:
             self.works.extend(all_gathers([send.gather for send in sends if send.gather is not None], self.group))
             self.works.extend(send.start(self.group) for send in sends if send.broadcast is not None)
             return

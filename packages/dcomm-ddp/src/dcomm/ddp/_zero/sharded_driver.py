@@ -95,7 +95,7 @@ class ShardedDriver(Driver):
         Waited for at the end of backward; with ``gather_during_forward``, one all-gather per
         shard, first layers first, each waited for by the next forward of the modules it holds.
         """
-        if not self.gather_during_forward:
+        if self.forward_waits is None:
             self.works.extend(all_gathers([(shard.flat, shard.slice) for shard in shards], self.group))
             return
         for shard in sorted(shards, key=lambda shard: -shard.index):  # buckets hold the last layers first

@@ -606,6 +606,74 @@ def _first_step(rank: int, world: int) -> None:
     assert torch.equal(flat_parameters(torch_model), initial), "torch's overlap hook now updates at step 1"
 
 
+# -- several parameter groups (weight decay on the weights only, say) -------------------------------
+
+
+def _decay_groups(model: torch.nn.Module, **extra: object) -> list[dict[str, object]]:
+    """AdamW's usual two groups: the weights with weight decay, the biases without, at another lr."""
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    return [{"params": weights, "weight_decay": 0.1, **extra}, {"params": biases, "weight_decay": 0.0, "lr": 0.02}]
+
+
+def _param_groups(rank: int, world: int) -> list[str]:
+    """With several parameter groups each parameter steps with its own group's hyperparameters.
+
+    torch's overlap (and the single-group restriction dcomm had) refuse this; non-overlapped ZeRO
+    takes it, and is the reference: every step equal, a learning-rate change on one group between
+    steps followed, and a checkpoint consolidated mid-run resumes to the same parameters.
+    """
+    seen = []
+    for builder in BUILDERS:
+        model, ref_model = make_model(), make_model()
+        ddp, ref_ddp = DDP(model, bucket_cap_mb=BUCKET_MB), DDP(ref_model, bucket_cap_mb=BUCKET_MB)
+        kwargs = {"optimizer_class": torch.optim.AdamW, "lr": 0.01}
+        zero = ZeroRedundancyOptimizer(_decay_groups(ddp.module), overlap_with_ddp=True, **kwargs)
+        ref = ZeroRedundancyOptimizer(_decay_groups(ref_ddp.module), **kwargs)
+        ddp.register_comm_hook(None, BUILDERS[builder](allreduce_hook, ddp, zero, step_mode=STEP_MODE))
+        _configured(zero)
+        for step in range(6):
+            if step == 3:
+                for optimizer in (zero, ref):
+                    optimizer.param_groups[1]["lr"] = 0.005
+            train_step(ddp, zero, batch(rank, step), overlap=True)
+            train_step(ref_ddp, ref, batch(rank, step), overlap=False)
+            # Bit for bit at worlds 2 and 4; at world 3 the hook divides by 3 where DDP multiplies by 1/3.
+            exact = {"rtol": 0, "atol": 0} if world in (2, 4) else {}
+            where = f"{builder} step {step}"
+            torch.testing.assert_close(flat_parameters(model), flat_parameters(ref_model), **exact, msg=where)
+        assert [len(group["params"]) > 0 for group in zero.param_groups] == [True, True]
+        # Consolidated mid-run, loaded into a fresh hook and model: the same next steps.
+        saved_model, saved_zero = {k: v.clone() for k, v in model.state_dict().items()}, _consolidated(zero)
+        fresh = make_model()
+        fresh_ddp = DDP(fresh, bucket_cap_mb=BUCKET_MB)
+        fresh_zero = ZeroRedundancyOptimizer(_decay_groups(fresh_ddp.module), overlap_with_ddp=True, **kwargs)
+        fresh_ddp.register_comm_hook(
+            None, BUILDERS[builder](allreduce_hook, fresh_ddp, fresh_zero, step_mode=STEP_MODE)
+        )
+        _configured(fresh_zero)
+        fresh.load_state_dict(saved_model)
+        fresh_zero.load_state_dict(saved_zero)
+        assert fresh_zero.param_groups[1]["lr"] == 0.005
+        for step in range(6, 9):
+            train_step(ddp, zero, batch(rank, step), overlap=True)
+            train_step(fresh_ddp, fresh_zero, batch(rank, step), overlap=True)
+            # Past world 2 the fresh DDP's first buckets sum in another order than the settled
+            # ones (DDP's own first-step caveat): bit for bit at world 2 only.
+            same = {"rtol": 0, "atol": 0} if world == 2 else {}
+            torch.testing.assert_close(flat_parameters(fresh), flat_parameters(model), **same)
+        seen.append(builder)
+    return seen
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("step_mode", STEP_PATHS)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_several_parameter_groups_match_non_overlapped_zero(world: int, step_mode: str) -> None:
+    """Weight decay on the weights only (two AdamW groups): equal to non-overlapped ZeRO, resumable."""
+    assert run_ranks(_suite, world, ["_param_groups"], step_mode, timeout=300) == [1] * world
+
+
 # -- checkpoints at any step, and resume -----------------------------------------------------------
 
 
@@ -739,8 +807,8 @@ def _errors(rank: int, world: int) -> None:
         ddp = DDP(make_model(), bucket_cap_mb=BUCKET_MB)
         groups = [{"params": list(ddp.module[0].parameters())}, {"params": list(ddp.module[2].parameters())}]
         zero = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
-        with pytest.raises(ValueError, match=r"zero: has 2 parameter groups.*exactly one"):
-            build(allreduce_hook, ddp, zero)
+        with pytest.raises(ValueError, match=r"zero: has 2 parameter groups; reduce_scatter=True.*exactly one"):
+            build(allreduce_hook, ddp, zero, reduce_scatter=True)
 
         ddp, zero = fresh(params=list(make_model().parameters()))
         with pytest.raises(ValueError, match=r"zero: parameters at indices \[0, 1.*ddp.parameters\(\)"):
@@ -974,6 +1042,8 @@ def _suite(rank: int, world: int, parts: list[str], step_mode: str = "per_bucket
             assert len(result) == 3
         if part == "_send_groups":
             assert len(result) == 4
+        if part == "_param_groups":
+            assert len(result) == 2
         if part == "_wrong_averaging":
             assert result == 10
     return len(parts)

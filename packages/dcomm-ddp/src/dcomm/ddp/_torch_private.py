@@ -90,8 +90,23 @@ def clear_cache(zero: ZeroRedundancyOptimizer) -> None:
 
 
 def partition_parameters(zero: ZeroRedundancyOptimizer, per_rank: list[list[torch.Tensor]]) -> list[Any]:
-    """Fix ``zero``'s owner of every parameter: ``per_rank[r]`` goes to rank ``r``."""
-    return _read(zero, "_partition_parameters", _ZERO)(per_rank)
+    """Fix ``zero``'s owner of every parameter: ``per_rank[r]`` goes to rank ``r``.
+
+    Returns every rank's parameter groups: one per group of ``zero`` (hyperparameters copied,
+    ``params`` the rank's share of the group, possibly empty), as a non-overlapped ZeRO partitions
+    several groups. torch's own partition by hand takes a single group only.
+    """
+    if len(zero.param_groups) == 1:
+        return _read(zero, "_partition_parameters", _ZERO)(per_rank)
+    cache = _read(zero, "_partition_parameters_cache", _ZERO)
+    if cache:
+        raise RuntimeError("zero: its parameters were partitioned already; build the hook before training")
+    zero._partition_parameters_cache = [[] for _ in per_rank]  # type: ignore[attr-defined]
+    partition_group = _read(zero, "_partition_param_group", _ZERO)
+    for group in zero.param_groups:
+        members = {id(p) for p in group["params"]}
+        partition_group(group, [[p for p in owned if id(p) in members] for owned in per_rank])
+    return zero._partition_parameters_cache  # type: ignore[attr-defined]
 
 
 def sync_param_groups(zero: ZeroRedundancyOptimizer, src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
@@ -177,6 +192,8 @@ def missing_members(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer)
         lambda: all_state_dicts(zero),
         lambda: _read(zero, "_clear_cache", _ZERO),
         lambda: _read(zero, "_partition_parameters", _ZERO),
+        lambda: _read(zero, "_partition_parameters_cache", _ZERO),
+        lambda: _read(zero, "_partition_param_group", _ZERO),
         lambda: _read(zero, "_sync_param_groups", _ZERO),
         lambda: _read(zero, "_check_overlap_initialized", _ZERO),
         functional_optimizers,

@@ -145,7 +145,7 @@ def _build(
     check_step_mode(step_mode)
     reduce_dtype = checks.averaging_dtype(hook) if reduce_scatter else None
     checks.check_ddp(ddp)
-    checks.check_zero(zero)
+    checks.check_zero(zero, reduce_scatter)
     checks.check_same_group(zero, ddp)
     checks.check_unused(ddp, reduce_scatter)
     params = checks.trainable_params(ddp, zero)
@@ -265,7 +265,8 @@ def hook_with_zero_step(
             the averaged bucket (dcomm's or torch's allreduce / fp16 / bf16 hooks).
         ddp: the ``DistributedDataParallel`` model the hook is registered on.
         zero: a ``ZeroRedundancyOptimizer`` over ``ddp.parameters()`` built with
-            ``overlap_with_ddp=True`` and a single parameter group.
+            ``overlap_with_ddp=True``; any number of parameter groups with ``reduce_scatter=False``,
+            one with ``reduce_scatter=True``.
         shard_buckets: split each bucket's parameters across all ranks (True) or give each
             bucket to one rank (False); ignored with ``reduce_scatter=True``.
         reduce_scatter: shard every bucket element-wise into equal slices, one per rank, and

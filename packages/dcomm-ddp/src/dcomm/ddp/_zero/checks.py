@@ -7,7 +7,7 @@ checked by :func:`first_call_checks`. Each error names the argument, the value a
 Example::
 
     >>> check_hook(allreduce_hook)  # doctest: +SKIP
-    >>> check_zero(zero)  # doctest: +SKIP
+    >>> check_zero(zero, reduce_scatter=False)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ def check_ddp(ddp: object) -> None:
         raise TypeError(f"ddp: expected a DistributedDataParallel, got {type(ddp).__name__}; pass the wrapped model")
 
 
-def check_zero(zero: object) -> None:
-    """A ``ZeroRedundancyOptimizer`` built for overlap, with one group, not driving a hook yet."""
+def check_zero(zero: object, reduce_scatter: bool) -> None:
+    """A ``ZeroRedundancyOptimizer`` built for overlap (one group with ``reduce_scatter``), not driving a hook yet."""
     if not isinstance(zero, ZeroRedundancyOptimizer):
         raise TypeError(
             f"zero: expected a ZeroRedundancyOptimizer, got {type(zero).__name__}; build one with overlap_with_ddp=True"
@@ -121,11 +121,11 @@ def check_zero(zero: object) -> None:
             "ZeroRedundancyOptimizer(..., overlap_with_ddp=True), or keep it and call zero.step() "
             "after backward without this hook"
         )
-    if len(zero.param_groups) != 1:
+    if reduce_scatter and len(zero.param_groups) != 1:
         raise ValueError(
-            f"zero: has {len(zero.param_groups)} parameter groups; ZeRO overlap supports exactly one "
-            "(torch's functional optimizers do too); pass a single list of parameters, or use a "
-            "non-overlapped ZeroRedundancyOptimizer"
+            f"zero: has {len(zero.param_groups)} parameter groups; reduce_scatter=True steps flat slices "
+            "that span parameters, so it takes exactly one; pass reduce_scatter=False (whole parameters "
+            "per owner, any number of groups) or a single list of parameters"
         )
     uninitialized = private.overlap_status().UNINITIALIZED  # type: ignore[attr-defined]
     if getattr(zero, ZERO_MARK, False) or private.overlap_info(zero).status != uninitialized:

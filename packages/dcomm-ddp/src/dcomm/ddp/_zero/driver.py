@@ -125,6 +125,7 @@ class Driver:
         # With gather_during_forward, the parameter collectives each module's next forward waits
         # for (or the next backward, for a module that did not run).
         self.forward_waits = ForwardWaits(setup.ddp.module) if setup.gather_during_forward else None
+        self._group_of: dict[int, int] | None = None  # id(param) -> its local group (several groups only)
         self.stream: Any = None
         self.fallbacks = 0  # buckets allreduced instead of reduce-scattered once DDP settled
         mode = setup.step_mode
@@ -231,16 +232,26 @@ class Driver:
     def local_step(self, params: list[torch.Tensor]) -> None:
         """Step the local optimizer on ``params`` only (their ``.grad`` set by the caller).
 
-        The hyperparameters are copied from ``zero.param_groups`` once per backward pass (see
-        :meth:`begin_backward`), not per call.
+        Each parameter is stepped with the hyperparameters of its own group. They are copied from
+        ``zero.param_groups`` once per backward pass (see :meth:`begin_backward`), not per call.
         """
-        group = self.zero.optim.param_groups[0]
-        everything = group["params"]
+        groups = self.zero.optim.param_groups
+        everything = [group["params"] for group in groups]
+        if len(groups) == 1:
+            chosen = [params]
+        else:
+            if self._group_of is None:
+                self._group_of = {id(p): i for i, group in enumerate(groups) for p in group["params"]}
+            chosen = [[] for _ in groups]
+            for p in params:
+                chosen[self._group_of[id(p)]].append(p)
         try:
-            group["params"] = params
+            for group, subset in zip(groups, chosen, strict=True):
+                group["params"] = subset
             self.zero.optim.step()
         finally:
-            group["params"] = everything
+            for group, own in zip(groups, everything, strict=True):
+                group["params"] = own
 
     def begin_backward(self, device: torch.device) -> None:
         """Once per backward pass: pick its path and take the hyperparameters set since the last."""

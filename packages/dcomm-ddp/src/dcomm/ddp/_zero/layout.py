@@ -84,18 +84,23 @@ class Shard:
         return tuple(id(p) for p in self.params)
 
 
-def packed(params: list[torch.Tensor], size: int) -> tuple[torch.Tensor, list[int]]:
-    """A zero buffer of ``size`` elements that ``params`` become views of, back to back."""
-    first = params[0]
-    flat = torch.zeros(size, dtype=first.dtype, device=first.device)
-    offsets, offset = [], 0
+def bind_views(flat: torch.Tensor, params: list[torch.Tensor], start: int = 0) -> list[int]:
+    """Copy ``params`` into ``flat`` back to back from ``start`` and make them views of it; their offsets."""
+    offsets, offset = [], start
     for p in params:
         view = flat[offset : offset + p.numel()].view_as(p)
         view.copy_(p.detach())
         p.data = view
         offsets.append(offset)
         offset += p.numel()
-    return flat, offsets
+    return offsets
+
+
+def _packed(params: list[torch.Tensor], size: int) -> tuple[torch.Tensor, list[int]]:
+    """A zero buffer of ``size`` elements that ``params`` become views of, back to back."""
+    first = params[0]
+    flat = torch.zeros(size, dtype=first.dtype, device=first.device)
+    return flat, bind_views(flat, params)
 
 
 @torch.no_grad()
@@ -107,7 +112,7 @@ def pack_shards(
     for index, params in enumerate(buckets):
         numel = _numel(params)
         chunk = max(1, math.ceil(numel / world))
-        flat, offsets = packed(params, world * chunk)
+        flat, offsets = _packed(params, world * chunk)
         piece = flat[rank * chunk : (rank + 1) * chunk]
         piece.grad = grad = torch.zeros(chunk, dtype=flat.dtype, device=flat.device)
         dtype = flat.dtype if reduce_dtype is None else reduce_dtype

@@ -35,7 +35,7 @@ import dcomm.ddp._torch_private as private
 from dcomm.core import AveragePlan, completed_future, plan_average, start_allreduce
 from dcomm.ddp._zero.checks import averaging_dtype
 from dcomm.ddp._zero.driver import Driver, Setup, all_gather, all_gathers, averaged_bucket, optimizer_class
-from dcomm.ddp._zero.layout import packed
+from dcomm.ddp._zero.layout import bind_views
 from dcomm.ddp._zero.send_groups import SendGroup, choose_groups, pack_group
 from dcomm.ddp._zero.step_mode import logger
 
@@ -194,15 +194,10 @@ class ParameterDriver(Driver):
             members = per_rank[rank]
             if gather:
                 start = rank * piece
-            packed = start
             assert flat is not None  # allocated above: per_rank is not empty
-            for p, _, _ in members:
-                view = flat[packed : packed + p.numel()].view_as(p)
-                view.copy_(p.detach())
-                p.data = view
-                packed += p.numel()
-            src = dist.get_global_rank(self.group, rank)
             params_, offsets, positions = (list(column) for column in zip(*members, strict=True))
+            bind_views(flat, params_, start)
+            src = dist.get_global_rank(self.group, rank)
             owners.append(_Owner(rank, src, flat, start, sizes[rank], params_, offsets, positions))
             start += sizes[rank]
         mine = next((o for o in owners if o.rank == self.rank), None)
@@ -423,12 +418,13 @@ def _repack_ungrouped(plan: _BucketPlan) -> None:
         return
     plan.flat, plan.gather = None, False
     if rest:
-        flat, offsets = packed([p for owner in rest for p in owner.params], sum(owner.numel for owner in rest))
-        first = 0  # each piece starts where its first parameter was packed
+        first = rest[0].params[0]
+        plan.flat = torch.zeros(sum(owner.numel for owner in rest), dtype=first.dtype, device=first.device)
+        start = 0
         for owner in rest:
-            owner.flat, owner.start = flat, offsets[first]
-            first += len(owner.params)
-        plan.flat = flat
+            bind_views(plan.flat, owner.params, start)
+            owner.flat, owner.start = plan.flat, start
+            start += owner.numel
 
 
 def _marks_used(used: set[int], key: int) -> Callable[[torch.Tensor], None]:

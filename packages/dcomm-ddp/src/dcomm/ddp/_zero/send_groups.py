@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dcomm.ddp._zero.layout import bind_views
+
 
 @dataclass
 class SendGroup:
@@ -79,13 +81,6 @@ def pack_group(members: list[tuple[int, list[torch.Tensor]]], world: int) -> tup
     piece = max(sum(p.numel() for p in params) for _, params in members)
     first = members[0][1][0]
     flat = torch.zeros(world * piece, dtype=first.dtype, device=first.device)
-    starts = []
     for owner, params in members:
-        start = offset = owner * piece
-        for p in params:
-            view = flat[offset : offset + p.numel()].view_as(p)
-            view.copy_(p.detach())
-            p.data = view
-            offset += p.numel()
-        starts.append(start)
-    return SendGroup(flat, piece, len(members)), starts
+        bind_views(flat, params, owner * piece)
+    return SendGroup(flat, piece, len(members)), [owner * piece for owner, _ in members]

@@ -29,6 +29,7 @@ class ForwardWaits:
 
     def __init__(self, root: torch.nn.Module) -> None:
         self.deferred: dict[int, Any] = {}  # id(param) -> the collective bringing it back
+        self.position = {id(p): i for i, p in enumerate(root.parameters())}  # the forward's order, roughly
         this = weakref.ref(self)
 
         def wait_all(*_: Any) -> None:
@@ -47,6 +48,10 @@ class ForwardWaits:
         """Leave ``work`` (bringing back ``params``) to the next forward of the modules holding them."""
         for p in params:
             self.deferred[id(p)] = work
+
+    def first_position(self, params: list[torch.Tensor]) -> int:
+        """Where the first of ``params`` comes in the model's parameters: a key that sends first layers first."""
+        return min((self.position.get(id(p), 0) for p in params), default=0)
 
     def wait_all(self) -> None:
         """Wait for every deferred collective (a stream wait on CUDA): the parameters are whole."""

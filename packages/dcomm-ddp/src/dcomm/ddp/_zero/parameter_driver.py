@@ -122,8 +122,6 @@ class ParameterDriver(Driver):
         self.grouped = False  # the broadcast pieces were put into send groups
         self.step_at_launch_off_cuda = False  # see _steps_at_launch
         self.average_plans: dict[tuple[torch.dtype, torch.device], AveragePlan] = {}
-        # Forward order of the parameters: with gather_during_forward the first layers' sends go first.
-        self.position = {id(p): i for i, p in enumerate(setup.ddp.module.parameters())}
         # With find_unused_parameters=True, the ids of the parameters that got a gradient on this
         # rank since the last synchronized backward (as DDP's own used map, no_sync passes included).
         self.used: set[int] | None = None
@@ -388,8 +386,8 @@ class ParameterDriver(Driver):
             self.works.extend(all_gathers([send.gather for send in sends if send.gather is not None], self.group))
             self.works.extend(send.start(self.group) for send in sends if send.broadcast is not None)
             return
-        position = self.position
-        for send in sorted(sends, key=lambda send: min((position.get(id(p), 0) for p in send.params), default=0)):
+        waits = self.forward_waits
+        for send in sorted(sends, key=lambda send: waits.first_position(send.params)):
             self.defer(send.params, send.start(self.group))
 
     def _step_owned(self, owned: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

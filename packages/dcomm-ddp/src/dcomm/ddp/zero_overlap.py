@@ -29,9 +29,11 @@ is the same either way. When a bucket's owned pieces are nearly equal (``(world 
 piece <= bucket``, the usual case with ``shard_buckets=True``) the pieces are padded to one size
 and a single ``all_gather_into_tensor`` returns the updated parameters; otherwise each owner
 broadcasts its piece (one broadcast per bucket with ``shard_buckets=False``). Once DDP has settled
-its buckets, buckets of one owner each are laid out in groups, one bucket per owner and of like
-sizes, so that the fused step path returns each group with one all-gather instead of a broadcast
-per bucket: the same bytes, over every link in both directions at once.
+its buckets, the pieces that owners broadcast (and, with ``hook_with_zero_step``, those of padded
+buckets) are laid out in groups, one piece per owner and of like sizes, so that the fused step path
+returns each group with one all-gather instead of a broadcast per piece: the same bytes, over
+every link in both directions at once. Pieces, not buckets: under autocast DDP's settled buckets
+pair each bias with the next layer's weight, two owners in one bucket.
 
 ``reduce_scatter=True`` (keyword-only, opt-in, for dcomm's or torch's ``allreduce_hook`` /
 ``fp16_compress_hook`` / ``bf16_compress_hook`` only) replaces the wrapped hook's allreduce and
@@ -54,12 +56,11 @@ allreduced for ZeRO's sake. Only a bucket that also holds parameters the
 settled, that warns once and :func:`fallback_count` counts such buckets. With
 ``gather_during_forward=True`` (either layout) the collectives returning the updated parameters
 are not waited for at the end of backward: each module's next forward waits for its own
-parameters' (the state dict waits for all of them; :func:`wait_for_parameters` does so on
-demand). The parameters
-equal those of non-overlapped ZeRO up to summation order (float32: within rtol 1e-5 / atol 1e-6
-after several Adam steps; bit-identical on 2 gloo ranks). ``zero.state_dict()`` stays torch's per-parameter format
-(slices are joined on consolidation and cut again on load), so checkpoints move between every
-layout and non-overlapped ZeRO.
+parameters' (saving or loading the state dict waits for all of them; :func:`wait_for_parameters`
+does so on demand). The parameters equal those of non-overlapped ZeRO up to summation order
+(float32: within rtol 1e-5 / atol 1e-6 after several Adam steps; bit-identical on 2 gloo ranks).
+``zero.state_dict()`` stays torch's per-parameter format (slices are joined on consolidation and
+cut again on load), so checkpoints move between every layout and non-overlapped ZeRO.
 
 ``step_mode`` (keyword-only) says when the local optimizer runs. ``"per_bucket"`` steps each
 bucket's parameters as described above, overlapping the update with the rest of backward: it pays
@@ -281,9 +282,9 @@ def hook_with_zero_step(
         gather_during_forward: do not wait for the updated parameters at the end of backward:
             each module's forward waits (a stream wait on CUDA) for the collectives returning
             its own parameters, so the next forward's first layers run while the last layers'
-            are still on their way. Keyword-only, opt-in: code that
-            reads parameters outside a forward of the module that owns them (other than through
-            ``state_dict()``, which waits) must call :func:`wait_for_parameters` first.
+            are still on their way. Keyword-only, opt-in: code that reads parameters outside a
+            forward of the module that owns them (other than through ``state_dict()`` and
+            ``load_state_dict()``, which wait) must call :func:`wait_for_parameters` first.
 
     Returns:
         The hook to pass to ``ddp.register_comm_hook(state, ...)``; ``state`` goes to ``hook``.

@@ -609,11 +609,24 @@ def _first_step(rank: int, world: int) -> None:
 # -- several parameter groups (weight decay on the weights only, say) -------------------------------
 
 
-def _decay_groups(model: torch.nn.Module, **extra: object) -> list[dict[str, object]]:
+def _decay_groups(model: torch.nn.Module) -> list[dict[str, object]]:
     """AdamW's usual two groups: the weights with weight decay, the biases without, at another lr."""
     weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
     biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
-    return [{"params": weights, "weight_decay": 0.1, **extra}, {"params": biases, "weight_decay": 0.0, "lr": 0.02}]
+    return [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0, "lr": 0.02}]
+
+
+def _with_decay_groups(builder: str, overlap: bool) -> tuple[torch.nn.Module, DDP, ZeroRedundancyOptimizer]:
+    """A fresh model, its DDP and an AdamW ZeRO over :func:`_decay_groups`, overlapped by ``builder``'s hook."""
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
+    zero = ZeroRedundancyOptimizer(
+        _decay_groups(ddp.module), optimizer_class=torch.optim.AdamW, lr=0.01, overlap_with_ddp=overlap
+    )
+    if overlap:
+        ddp.register_comm_hook(None, BUILDERS[builder](allreduce_hook, ddp, zero, step_mode=STEP_MODE))
+        _configured(zero)
+    return model, ddp, zero
 
 
 def _param_groups(rank: int, world: int) -> list[str]:
@@ -625,13 +638,8 @@ def _param_groups(rank: int, world: int) -> list[str]:
     """
     seen = []
     for builder in BUILDERS:
-        model, ref_model = make_model(), make_model()
-        ddp, ref_ddp = DDP(model, bucket_cap_mb=BUCKET_MB), DDP(ref_model, bucket_cap_mb=BUCKET_MB)
-        kwargs = {"optimizer_class": torch.optim.AdamW, "lr": 0.01}
-        zero = ZeroRedundancyOptimizer(_decay_groups(ddp.module), overlap_with_ddp=True, **kwargs)
-        ref = ZeroRedundancyOptimizer(_decay_groups(ref_ddp.module), **kwargs)
-        ddp.register_comm_hook(None, BUILDERS[builder](allreduce_hook, ddp, zero, step_mode=STEP_MODE))
-        _configured(zero)
+        model, ddp, zero = _with_decay_groups(builder, overlap=True)
+        ref_model, ref_ddp, ref = _with_decay_groups(builder, overlap=False)
         for step in range(6):
             if step == 3:
                 for optimizer in (zero, ref):
@@ -642,16 +650,10 @@ def _param_groups(rank: int, world: int) -> list[str]:
             exact = {"rtol": 0, "atol": 0} if world in (2, 4) else {}
             where = f"{builder} step {step}"
             torch.testing.assert_close(flat_parameters(model), flat_parameters(ref_model), **exact, msg=where)
-        assert [len(group["params"]) > 0 for group in zero.param_groups] == [True, True]
+        assert len(zero.optim.param_groups) == 2  # this rank's local optimizer keeps both groups
         # Consolidated mid-run, loaded into a fresh hook and model: the same next steps.
         saved_model, saved_zero = {k: v.clone() for k, v in model.state_dict().items()}, _consolidated(zero)
-        fresh = make_model()
-        fresh_ddp = DDP(fresh, bucket_cap_mb=BUCKET_MB)
-        fresh_zero = ZeroRedundancyOptimizer(_decay_groups(fresh_ddp.module), overlap_with_ddp=True, **kwargs)
-        fresh_ddp.register_comm_hook(
-            None, BUILDERS[builder](allreduce_hook, fresh_ddp, fresh_zero, step_mode=STEP_MODE)
-        )
-        _configured(fresh_zero)
+        fresh, fresh_ddp, fresh_zero = _with_decay_groups(builder, overlap=True)
         fresh.load_state_dict(saved_model)
         fresh_zero.load_state_dict(saved_zero)
         assert fresh_zero.param_groups[1]["lr"] == 0.005

@@ -1,4 +1,4 @@
-"""Which single-owner buckets ZeRO overlap sends back together, and how a group is laid out.
+"""Which pieces (one owner's parameters in one bucket) ZeRO overlap sends back together, and how a group is laid out.
 
 The end-to-end behaviour (bit-identical to non-overlapped ZeRO, one all-gather per group on the
 fused path) is tested on gloo ranks in test_ddp_zero_overlap.py (``_send_groups``).

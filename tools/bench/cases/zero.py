@@ -52,8 +52,8 @@ def build_zero(
     """DDP + ZeroRedundancyOptimizer(Adam); ``overlap = (impl, hook row)`` steps inside backward.
 
     ``step_mode`` (dcomm only) forces a step path; None keeps the hook's default (``"auto"``).
-    ``gather_during_forward`` (dcomm) lets the next forward wait for
-    each module's parameters. ``python`` (dcomm): register the hook as a Python hook only.
+    ``gather_during_forward`` (dcomm) lets the next forward wait for each module's parameters.
+    ``python`` (dcomm): register the hook as a Python hook only.
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -969,12 +969,13 @@ def _send_groups(rank: int, world: int) -> list[str]:
 
     Two layouts, 8 layers each, buckets of one weight (shard_buckets=False):
 
-    - ``weights``: 8 equal weights without biases, one owner per bucket: groups of ``world``
-      pieces (at world 3: 3, 3 and 2);
+    - ``weights``: 8 equal weights without biases, one owner per bucket: one group of all 8
+      where the owners' shares are equal (worlds 2 and 4), else groups of ``world`` pieces (at
+      world 3: 3, 3 and 2);
     - ``autocast``: weights and biases under bf16 autocast, where a weight's gradient arrives
       after its cast's backward, so DDP's settled buckets pair each bias with the next weight
-      and mix two owners: 16 pieces, every one in a group (weights with weights, biases with
-      biases), and no bucket's old buffer kept.
+      and mix two owners: 16 pieces, every one in a group (all in one, or weights with weights
+      and biases with biases), and no bucket's old buffer kept.
 
     Where every parameter is sent at the last bucket (the fused path, and hook_with_zero_step's
     per-bucket path) each settled step then broadcasts nothing; the interleaved per-bucket path
@@ -1014,8 +1015,11 @@ def _send_groups(rank: int, world: int) -> list[str]:
         assert all(owner.group is not None for owner in pieces), (layout, builder)
         assert all(plan.flat is None for plan in plans if not plan.gather), (layout, builder)  # no old buffer kept
         groups = {id(owner.group): owner.group for owner in pieces}
-        if not kept_gathers:  # groups of `world` owners (3, 3 and 2 pieces at world 3)
-            assert len(groups) == (2 if bias else 1) * -(-8 // world), (layout, builder)
+        if not kept_gathers:
+            # Owners of equal shares at worlds 2 and 4: one merged group of every piece. At world
+            # 3 the shares are 3, 3 and 2 buckets (12.5% padding merged): groups of like pieces,
+            # one per owner (3, 3 and 2 pieces; weights with weights, biases with biases).
+            assert len(groups) == (1 if world in (2, 4) else (2 if bias else 1) * 3), (layout, builder, len(groups))
         assert sum(group.members for group in groups.values()) == len(pieces), (layout, builder)
         # The last step's broadcasts: none where every parameter is sent at the last bucket.
         expected = len(pieces) if builder == "interleaved" and driver.mode == "per_bucket" else 0

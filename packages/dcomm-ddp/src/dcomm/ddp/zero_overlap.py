@@ -21,19 +21,22 @@ How this differs from torch's ``ddp_zero_hook``:
   on CUDA the optimizer runs on a side stream, and broadcasts are asynchronous, queued behind
   the next bucket's allreduce so that communication and the update pipeline.
 
-``shard_buckets=False`` gives each (expected) DDP bucket to one rank; ``shard_buckets=True``
-splits every bucket into contiguous, nearly equal pieces, one per rank, which balances the
-per-bucket work of the interleaved hook. Ownership is computed from DDP's bucket size cap
-(``bucket_cap_mb``), since DDP only fixes its real layout after the first iteration; the result
-is the same either way. When a bucket's owned pieces are nearly equal (``(world - 1) * largest
-piece <= bucket``, the usual case with ``shard_buckets=True``) the pieces are padded to one size
-and a single ``all_gather_into_tensor`` returns the updated parameters; otherwise each owner
+``shard_buckets=False`` gives each (expected) DDP bucket to one rank; ``shard_buckets=True`` splits
+every bucket into contiguous, nearly equal pieces, one per rank, which balances the per-bucket work
+of the interleaved hook. Either way the largest buckets (or pieces) are placed first, each on the
+least-loaded rank, so every rank steps about as many elements. Ownership is computed from DDP's
+bucket size cap (``bucket_cap_mb``), since DDP only fixes its real layout after the first iteration;
+the result is the same either way. When a bucket's owned pieces are nearly equal (``(world - 1) *
+largest piece <= bucket``, the usual case with ``shard_buckets=True``) the pieces are padded to one
+size and a single ``all_gather_into_tensor`` returns the updated parameters; otherwise each owner
 broadcasts its piece (one broadcast per bucket with ``shard_buckets=False``). Once DDP has settled
 its buckets, the pieces that owners broadcast (and, with ``hook_with_zero_step``, those of padded
-buckets) are laid out in groups, one piece per owner and of like sizes, so that the fused step path
-returns each group with one all-gather instead of a broadcast per piece: the same bytes, over
-every link in both directions at once. Pieces, not buckets: under autocast DDP's settled buckets
-pair each bias with the next layer's weight, two owners in one bucket.
+buckets) are laid out in groups, so that the fused step path returns each group with one all-gather
+instead of a broadcast per piece: the same bytes, over every link in both directions at once.
+Without ``gather_during_forward``, where the owners' shares differ by at most 10%, one group holds
+every piece, each owner's back to back; otherwise groups hold one piece per owner, of like sizes.
+Pieces, not buckets: under autocast DDP's settled buckets pair each bias with the next layer's
+weight, two owners in one bucket.
 
 ``reduce_scatter=True`` (keyword-only, opt-in, for dcomm's or torch's ``allreduce_hook`` /
 ``fp16_compress_hook`` / ``bf16_compress_hook`` only) replaces the wrapped hook's allreduce and

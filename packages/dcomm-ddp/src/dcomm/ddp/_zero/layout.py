@@ -49,18 +49,29 @@ def _cut(bucket: list[torch.Tensor], world: int) -> list[list[torch.Tensor]]:
 def partition(buckets: list[list[torch.Tensor]], world: int, shard_buckets: bool) -> list[list[torch.Tensor]]:
     """The parameters each rank owns: every bucket whole, or cut into ``world`` pieces.
 
-    Pieces go to the least-loaded ranks (by elements), at most one piece of a bucket per rank.
+    Largest bucket first, its pieces go to the least-loaded ranks (by elements), at most one piece
+    of a bucket per rank: every rank steps about as many elements, even where a model's largest
+    tensors (an embedding, an LM head) come last in bucket order. Each rank's parameters stay in
+    bucket order.
+
+    Example::
+
+        >>> sizes = [1, 1, 1, 3]  # a large embedding in the last bucket
+        >>> buckets = [[torch.zeros(n)] for n in sizes]
+        >>> [sum(p.numel() for p in owned) for owned in partition(buckets, world=2, shard_buckets=False)]
+        [3, 3]
     """
-    per_rank: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    owned: list[list[tuple[int, list[torch.Tensor]]]] = [[] for _ in range(world)]
     loads = [0] * world
-    for bucket in buckets:
+    for index in sorted(range(len(buckets)), key=lambda i: (-_numel(buckets[i]), i)):
+        bucket = buckets[index]
         taken: set[int] = set()
         for piece in _cut(bucket, world) if shard_buckets else [bucket]:
             rank = min((r for r in range(world) if r not in taken), key=lambda r: (loads[r], r))
             taken.add(rank)
-            per_rank[rank].extend(piece)
+            owned[rank].append((index, piece))
             loads[rank] += _numel(piece)
-    return per_rank
+    return [[p for _, piece in sorted(pieces, key=lambda item: item[0]) for p in piece] for pieces in owned]
 
 
 @dataclass

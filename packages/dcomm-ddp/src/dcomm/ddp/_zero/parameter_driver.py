@@ -36,7 +36,7 @@ from dcomm.core import AveragePlan, completed_future, plan_average, start_allred
 from dcomm.ddp._zero.checks import averaging_dtype
 from dcomm.ddp._zero.driver import Driver, Setup, all_gather, all_gathers, averaged_bucket, optimizer_class
 from dcomm.ddp._zero.layout import bind_views
-from dcomm.ddp._zero.send_groups import SendGroup, choose_groups, pack_group
+from dcomm.ddp._zero.send_groups import SendGroup, choose_groups, merge_owners, pack_group
 from dcomm.ddp._zero.step_mode import logger
 
 
@@ -245,7 +245,11 @@ class ParameterDriver(Driver):
         plans = [plan for _, plan in sorted(self.frozen.items()) if not (plan.gather and self.interleaved)]
         pieces = [owner for plan in plans for owner in plan.owners]
         sizes = [(owner.numel, owner.rank, (owner.flat.dtype, owner.flat.device)) for owner in pieces]
-        chosen = choose_groups(sizes, self.world)
+        # Sent all at once (no forward waits each module's own): one group per kind where it pads little.
+        chosen = merge_owners(sizes, self.world) if self.forward_waits is None else []
+        merged = {i for indices in chosen for i in indices}
+        rest = [i for i in range(len(pieces)) if i not in merged]
+        chosen += [[rest[j] for j in group] for group in choose_groups([sizes[i] for i in rest], self.world)]
         for indices in chosen:
             members = [pieces[i] for i in indices]
             group, starts = pack_group([(owner.rank, owner.params) for owner in members], self.world)

@@ -7,9 +7,12 @@ over the links in one direction; an all-gather of one equal piece per rank moves
 over every link in both directions at once (on 2 ranks, in about half the time). Once DDP has
 settled its buckets, :func:`choose_groups` puts pieces of different owners and like sizes
 together, and :func:`pack_group` lays each group's parameters out in one flat buffer, ``[rank 0's
-piece | rank 1's | ...]`` padded to the largest, so that one in-place ``all_gather_into_tensor``
+pieces | rank 1's | ...]`` padded to the largest, so that one in-place ``all_gather_into_tensor``
 returns them all. A group is kept only where it moves no more per link than its broadcasts would:
-``(world - 1) * piece <= total``.
+``(world - 1) * piece <= total``. Where every piece is sent at once (the fused step, without
+``gather_during_forward``), :func:`merge_owners` first puts all pieces of a kind in one group, each
+owner's back to back, where the owners' shares are equal enough that padding them costs at most
+:data:`MAX_PADDING` of the group: one all-gather for all the parameters, and no broadcast at all.
 
 Example::
 
@@ -25,6 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from dcomm.ddp._zero.layout import bind_views
+
+MAX_PADDING = 0.1
+"""The most padding (a fraction of the parameters' elements) a merged group may add."""
 
 
 @dataclass
@@ -72,15 +78,50 @@ def choose_groups(pieces: Sequence[tuple[int, int, Hashable]], world: int) -> li
     return kept
 
 
+def merge_owners(pieces: Sequence[tuple[int, int, Hashable]], world: int) -> list[list[int]]:
+    """One group per kind of all its pieces, where the owners' shares are nearly equal.
+
+    ``pieces`` as for :func:`choose_groups`. A kind is merged where it has at least two owners and
+    padding every owner's share to the largest adds at most :data:`MAX_PADDING` of its elements;
+    the pieces of any other kind are left out.
+
+    Example::
+
+        >>> merge_owners([(60, 0, "f32"), (40, 1, "f32"), (20, 1, "f32"), (5, 0, "f16")], world=2)
+        [[0, 1, 2]]
+    """
+    kinds: dict[Hashable, list[int]] = {}
+    for i, (_, _, kind) in enumerate(pieces):
+        kinds.setdefault(kind, []).append(i)
+    merged = []
+    for indices in kinds.values():
+        shares: dict[int, int] = {}
+        for i in indices:
+            shares[pieces[i][1]] = shares.get(pieces[i][1], 0) + pieces[i][0]
+        total = sum(shares.values())
+        if len(shares) >= 2 and world * max(shares.values()) <= (1 + MAX_PADDING) * total:
+            merged.append(indices)
+    return merged
+
+
 @torch.no_grad()
 def pack_group(members: list[tuple[int, list[torch.Tensor]]], world: int) -> tuple[SendGroup, list[int]]:
     """One flat buffer for ``members`` (``(owner rank, its parameters)``); the parameters become views of it.
 
-    Returns the group and each member's start in ``flat``.
+    Rank ``r``'s members lie back to back in its slot ``[r * piece, (r + 1) * piece)``, in the
+    order given. Returns the group and each member's start in ``flat``.
     """
-    piece = max(sum(p.numel() for p in params) for _, params in members)
+    shares: dict[int, int] = {}
+    for owner, params in members:
+        shares[owner] = shares.get(owner, 0) + sum(p.numel() for p in params)
+    piece = max(shares.values())
     first = members[0][1][0]
     flat = torch.zeros(world * piece, dtype=first.dtype, device=first.device)
+    filled: dict[int, int] = {}
+    starts = []
     for owner, params in members:
-        bind_views(flat, params, owner * piece)
-    return SendGroup(flat, piece, len(members)), [owner * piece for owner, _ in members]
+        start = owner * piece + filled.get(owner, 0)
+        bind_views(flat, params, start)
+        starts.append(start)
+        filled[owner] = filled.get(owner, 0) + sum(p.numel() for p in params)
+    return SendGroup(flat, piece, len(members)), starts

@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -95,10 +96,10 @@ def merge_owners(pieces: Sequence[tuple[int, int, Hashable]], world: int) -> lis
         kinds.setdefault(kind, []).append(i)
     merged = []
     for indices in kinds.values():
-        shares: dict[int, int] = {}
+        shares: Counter[int] = Counter()
         for i in indices:
-            shares[pieces[i][1]] = shares.get(pieces[i][1], 0) + pieces[i][0]
-        total = sum(shares.values())
+            shares[pieces[i][1]] += pieces[i][0]
+        total = shares.total()
         if len(shares) >= 2 and world * max(shares.values()) <= (1 + MAX_PADDING) * total:
             merged.append(indices)
     return merged
@@ -111,17 +112,18 @@ def pack_group(members: list[tuple[int, list[torch.Tensor]]], world: int) -> tup
     Rank ``r``'s members lie back to back in its slot ``[r * piece, (r + 1) * piece)``, in the
     order given. Returns the group and each member's start in ``flat``.
     """
-    shares: dict[int, int] = {}
-    for owner, params in members:
-        shares[owner] = shares.get(owner, 0) + sum(p.numel() for p in params)
+    sizes = [sum(p.numel() for p in params) for _, params in members]
+    shares: Counter[int] = Counter()
+    for (owner, _), size in zip(members, sizes, strict=True):
+        shares[owner] += size
     piece = max(shares.values())
     first = members[0][1][0]
     flat = torch.zeros(world * piece, dtype=first.dtype, device=first.device)
-    filled: dict[int, int] = {}
+    filled: Counter[int] = Counter()  # of each owner's slot, so far
     starts = []
-    for owner, params in members:
-        start = owner * piece + filled.get(owner, 0)
+    for (owner, params), size in zip(members, sizes, strict=True):
+        start = owner * piece + filled[owner]
         bind_views(flat, params, start)
         starts.append(start)
-        filled[owner] = filled.get(owner, 0) + sum(p.numel() for p in params)
+        filled[owner] += size
     return SendGroup(flat, piece, len(members)), starts

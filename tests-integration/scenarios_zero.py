@@ -8,7 +8,9 @@ float32 tolerance, and every rank holds the same parameters. ``reduce_scatter=Tr
 the fp32 ``allreduce_hook`` (reference: DDP with it): every bucket is sharded element-wise
 (equal slices across parameter boundaries) and its gradient reduce-scattered onto the slices
 instead of allreduced, so only the summation order differs (rtol 1e-5, atol 1e-6). The
-accumulation scenario skips ``zero_grad`` between backward passes and compares the same way.
+accumulation scenario skips ``zero_grad`` between backward passes and compares the same way. The
+tied-weights scenario trains a model that uses one weight twice (as a language model's embedding
+and its LM head), whose gradient is complete only once both uses have run backward.
 
 Example::
 
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from harness import device, scenario
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -31,7 +34,7 @@ try:
 except ImportError:  # pragma: no cover - dcomm-ddp without its default hooks
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
-from dcomm.ddp import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved
+from dcomm.ddp import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved, wait_for_parameters
 from dcomm_testing import assert_same_on_ranks, flat_parameters, seeded_mlp, seeded_normal
 
 STEPS = 4
@@ -39,6 +42,21 @@ STEPS = 4
 
 def _model() -> torch.nn.Module:
     return seeded_mlp(32, 64, 64, 8, activation=torch.nn.ReLU, device=device())
+
+
+class _TiedWeights(torch.nn.Module):
+    """An encoder whose weight, transposed, is also the decoder's: one parameter used twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encode = torch.nn.Linear(32, 64, device=device())
+        self.middle = torch.nn.Linear(64, 64, device=device())
+        self.decode_bias = torch.nn.Parameter(torch.zeros(32, device=device()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.middle(torch.relu(self.encode(x))))
+        return F.linear(hidden, self.encode.weight.t(), self.decode_bias)
 
 
 def _ddp(model: torch.nn.Module) -> DDP:
@@ -52,16 +70,23 @@ def _batch(rank: int, step: int) -> torch.Tensor:
 
 
 def _train_against_plain_zero(
-    case: str, rank: int, build: Callable[..., Any], hook: Callable[..., Any], zero_grad_every: int, **kwargs: Any
+    case: str,
+    rank: int,
+    build: Callable[..., Any],
+    hook: Callable[..., Any],
+    zero_grad_every: int,
+    make_model: Callable[[], torch.nn.Module] = _model,
+    **kwargs: Any,
 ) -> None:
     """Train with the overlap hook and with ``hook`` + plain ZeRO; compare after every step.
 
     ``zero_grad_every`` > 1 accumulates gradients over that many backward passes.
     """
-    model, ref_model = _model(), _model()
+    model, ref_model = make_model(), make_model()
     ddp, ref_ddp = _ddp(model), _ddp(ref_model)
     zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True, lr=1e-2)
-    ddp.register_comm_hook(None, build(hook, ddp, zero, **kwargs))
+    overlap_hook = build(hook, ddp, zero, **kwargs)
+    ddp.register_comm_hook(None, overlap_hook)
     ref_ddp.register_comm_hook(None, hook)
     ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2)
     tol = {"rtol": 1e-5, "atol": 1e-6} if kwargs.get("reduce_scatter") else {}
@@ -74,6 +99,7 @@ def _train_against_plain_zero(
         ddp(x).square().mean().backward()
         ref_ddp(x).square().mean().backward()
         ref_zero.step()
+        wait_for_parameters(overlap_hook)  # a no-op without gather_during_forward
         ours, theirs = flat_parameters(model), flat_parameters(ref_model)
         assert not torch.equal(ours, before), f"{case}: step {step} left the parameters unchanged"
         torch.testing.assert_close(ours, theirs, **tol, msg=lambda m, c=case, s=step: f"{c} step {s}: {m}")
@@ -111,3 +137,13 @@ def scenario_zero_overlap_step_modes(rank: int, world_size: int) -> None:
     for mode, builder, rs in itertools.product(("per_bucket", "fused"), builders, (False, True)):
         case = f"{builder.__name__}(reduce_scatter={rs}, step_mode={mode!r})"
         _train_against_plain_zero(case, rank, builder, allreduce_hook, 1, reduce_scatter=rs, step_mode=mode)
+
+
+@scenario(min_world_size=2)
+def scenario_zero_overlap_tied_weights(rank: int, world_size: int) -> None:
+    """A weight used twice: every layout, both step paths and gather_during_forward give plain ZeRO's parameters."""
+    builders = (hook_with_zero_step, hook_with_zero_step_interleaved)
+    for builder, rs, mode, gather in itertools.product(builders, (False, True), ("per_bucket", "fused"), (False, True)):
+        options = {"reduce_scatter": rs, "step_mode": mode, "gather_during_forward": gather}
+        case = f"tied weights {builder.__name__}({options})"
+        _train_against_plain_zero(case, rank, builder, allreduce_hook, 1, _TiedWeights, **options)

@@ -37,7 +37,7 @@ EXPECTED_ROWS = {
     "post-local-sgd": {"post-local-sgd/periodic", "post-local-sgd/hierarchical"},
     "zero": {"zero/bound", "zero/step", "zero/interleaved", "zero/step+rs", "zero/interleaved+rs"}
     | {f"zero/{hook}{rs}+gather_during_forward" for hook in ("step", "interleaved") for rs in ("", "+rs")}
-    | {f"zero/step{rs} {mode}" for rs in ("", "+rs") for mode in ("fused", "per_bucket")}
+    | {f"zero/step{rs}{gf} {mode}" for rs in ("", "+rs") for gf in ("", "+gf") for mode in ("fused", "per_bucket")}
     | {"zero/step C++ vs python"},
     "fsdp": {"fsdp/reduce_scatter", "fsdp/fp16", "fsdp/bf16", "fsdp/allreduce"},
     "fully_shard": {"fully_shard/fp16", "fully_shard/bf16"},
@@ -93,6 +93,25 @@ def _bench(tmp_path: pathlib.Path, *flags: str) -> dict[str, object]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_every_small_workload_trains_and_counts_its_parameters() -> None:
+    """Each workload's CPU size builds, counts its parameters right and trains; the Llama ties its LM head."""
+    import torch
+
+    from tools.bench.workloads import WORKLOADS
+
+    for name, sizes in WORKLOADS.items():
+        workload = sizes["small"]
+        model = workload.build(torch.device("cpu"))
+        assert sum(p.numel() for p in model.parameters()) == workload.parameters, name
+        loss = workload.loss(model, workload.make_batch(torch.device("cpu")))
+        loss.backward()
+        assert math.isfinite(loss.item()), name
+        assert all(p.grad is not None for p in model.parameters()), name
+    llama = WORKLOADS["llama"]["small"].build(torch.device("cpu"))
+    assert llama.head.weight is llama.token.weight
+    assert len(list(llama.parameters())) == len(list(llama.state_dict())) - 1  # the tied weight, once
+
+
 def test_bench_runs_every_case_on_each_kind_of_small_workload(tmp_path: pathlib.Path) -> None:
     # mlp-wide is mlp-deep's model class at other sizes; CI time goes to the three model classes.
     workloads = ("mlp-deep", "transformer", "cnn")

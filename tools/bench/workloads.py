@@ -4,6 +4,9 @@
 - ``mlp-deep``: 16 Linear layers with biases (32 tensors of two sizes);
 - ``transformer``: GPT-shaped (token and position embeddings, pre-LN blocks with attention and
   an MLP, biases, a final LayerNorm and an LM head; 149 tensors at 12 layers);
+- ``llama``: Llama-shaped, unlike the GPT in every way a layout can see (RMSNorm, rotary
+  positions, a SwiGLU MLP, no biases, the LM head tied to the token embedding: one parameter used
+  twice; 86 tensors at 12 layers);
 - ``cnn``: ResNet-34-shaped (3x3 convolutions without biases, a BatchNorm after each, residual
   blocks, a linear classifier; 110 tensors, most of them BatchNorm's small weights and biases).
 
@@ -18,6 +21,9 @@ Example::
     >>> workload = WORKLOADS["transformer"]["small"]
     >>> model = workload.build(torch.device("cpu"))
     >>> len(list(model.parameters())) >= 20
+    True
+    >>> llama = WORKLOADS["llama"]["small"].build(torch.device("cpu"))
+    >>> llama.head.weight is llama.token.weight  # one parameter, used twice
     True
 """
 
@@ -37,6 +43,7 @@ __all__ = [
     "SIZE_TIERS",
     "WORKLOADS",
     "CNNWorkload",
+    "LlamaWorkload",
     "MLPWorkload",
     "TransformerWorkload",
     "Workload",
@@ -180,6 +187,94 @@ class TransformerWorkload:
         return F.cross_entropy(logits.float().flatten(0, 1), batch[1].flatten())
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions: rotate each (first half, second half) pair of ``x``'s last dimension."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    """A pre-norm block: RMSNorm, attention with rotary positions, RMSNorm, SwiGLU; no biases."""
+
+    def __init__(self, width: int, heads: int, hidden: int, device: torch.device) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attention_norm = nn.RMSNorm(width, device=device)
+        self.qkv = nn.Linear(width, 3 * width, bias=False, device=device)
+        self.proj = nn.Linear(width, width, bias=False, device=device)
+        self.mlp_norm = nn.RMSNorm(width, device=device)
+        self.gate = nn.Linear(width, hidden, bias=False, device=device)
+        self.up = nn.Linear(width, hidden, bias=False, device=device)
+        self.down = nn.Linear(hidden, width, bias=False, device=device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, tokens, width = x.shape
+        qkv = self.qkv(self.attention_norm(x)).view(batch, tokens, 3, self.heads, width // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, tokens, width))
+        y = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+
+class Llama(nn.Module):
+    """A token embedding, ``layers`` Llama blocks, a final RMSNorm and an LM head tied to the embedding."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, hidden: int, device: torch.device) -> None:
+        super().__init__()
+        self.heads = heads
+        self.token = nn.Embedding(vocab, width, device=device)
+        self.blocks = nn.ModuleList(LlamaBlock(width, heads, hidden, device) for _ in range(layers))
+        self.norm = nn.RMSNorm(width, device=device)
+        self.head = nn.Linear(width, vocab, bias=False, device=device)
+        self.head.weight = self.token.weight
+        nn.init.normal_(self.token.weight, std=0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        half = self.token.embedding_dim // self.heads // 2
+        frequencies = 10000.0 ** (-torch.arange(half, device=ids.device) / half)
+        angles = torch.outer(torch.arange(ids.shape[1], device=ids.device), frequencies)
+        cos, sin = angles.cos(), angles.sin()
+        x = self.token(ids)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.head(self.norm(x))
+
+
+@dataclass(frozen=True)
+class LlamaWorkload:
+    """A Llama-shaped language model trained on random tokens with cross-entropy."""
+
+    name: str
+    vocab: int
+    tokens: int
+    width: int
+    layers: int
+    heads: int
+    hidden: int
+    batch: int
+
+    unit_types: ClassVar[tuple[type[nn.Module], ...]] = (LlamaBlock,)
+
+    @property
+    def parameters(self) -> int:
+        per_block = 4 * self.width * self.width + 3 * self.width * self.hidden + 2 * self.width
+        return self.vocab * self.width + self.layers * per_block + self.width
+
+    def build(self, device: torch.device) -> nn.Module:
+        torch.manual_seed(0)
+        return Llama(self.vocab, self.width, self.layers, self.heads, self.hidden, device)
+
+    def make_batch(self, device: torch.device) -> Batch:
+        generator = _batch_generator()
+        ids = torch.randint(self.vocab, (self.batch, self.tokens + 1), generator=generator).to(device)
+        return ids[:, :-1], ids[:, 1:]
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        logits = model(batch[0])
+        return F.cross_entropy(logits.float().flatten(0, 1), batch[1].flatten())
+
+
 class ResidualBlock(nn.Module):
     """Two 3x3 convolutions, each followed by BatchNorm, with a (strided, projected) shortcut."""
 
@@ -245,7 +340,7 @@ class CNNWorkload:
         return F.cross_entropy(model(batch[0]).float(), batch[1])
 
 
-Workload = MLPWorkload | TransformerWorkload | CNNWorkload
+Workload = MLPWorkload | TransformerWorkload | LlamaWorkload | CNNWorkload
 
 WORKLOADS: dict[str, dict[str, Workload]] = {
     "mlp-wide": {
@@ -267,6 +362,14 @@ WORKLOADS: dict[str, dict[str, Workload]] = {
             "transformer", vocab=8192, tokens=512, width=512, layers=12, heads=8, batch=8
         ),
         "small": TransformerWorkload("transformer", vocab=256, tokens=32, width=64, layers=2, heads=4, batch=4),
+    },
+    "llama": {
+        # 12 layers, d_model 1024, SwiGLU 2816, 32000 tokens tied: 187M parameters in 86 tensors, 8 x 512 tokens.
+        "large": LlamaWorkload("llama", vocab=32000, tokens=512, width=1024, layers=12, heads=16, hidden=2816, batch=8),
+        "large-slow": LlamaWorkload(
+            "llama", vocab=8000, tokens=512, width=512, layers=12, heads=8, hidden=1408, batch=8
+        ),
+        "small": LlamaWorkload("llama", vocab=256, tokens=32, width=64, layers=2, heads=4, hidden=176, batch=4),
     },
     "cnn": {
         # ResNet-34's stages (3, 4, 6, 3 blocks): 21M parameters in 110 tensors, 64 images of 64 px.

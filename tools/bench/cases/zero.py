@@ -7,7 +7,7 @@ no optimizer at all: no overlap of the step and its parameter collectives can be
 reduce-scatter and one all-gather per bucket), and each also with ``gather_during_forward=True``
 (``+gf``: the next forward waits for each module's parameters). dcomm's variants choose their step path
 (``step_mode="auto"``, reported as ``step mode``); ``dcomm step fused``, ``dcomm step per_bucket``
-and their ``+rs`` forms force one. A ``reduce_scatter`` variant reports ``fallback_count`` of
+and their ``+rs``, ``+gf`` and ``+rs+gf`` forms force one. A ``reduce_scatter`` variant reports ``fallback_count`` of
 its hook: buckets allreduced instead, after DDP settled its buckets. ``dcomm step python`` is
 ``dcomm step`` kept a Python hook (``DCOMM_NATIVE_HOOKS=0``): the row ``zero/step C++ vs python``
 shows what averaging the buckets in C++ on DDP's reducer saves.
@@ -106,10 +106,11 @@ def zero_case(ctx: Context) -> Case:
         label = f"zero/{name}{'+rs' if rs else ''}+gather_during_forward"
         case.pairs.append(Pair(label, variant, "no overlap", "dcomm/reference"))
     # The two step paths forced (hook_with_zero_step; on the fused path the interleaved hook is the same).
-    for mode, rs in itertools.product(STEP_MODES, (False, True)):
-        variant = f"dcomm step{'+rs' if rs else ''} {mode}"
-        case.variants[variant] = lambda mode=mode, rs=rs: build_zero(ctx, ("dcomm", "step"), rs, mode)
-        case.pairs.append(Pair(f"zero/step{'+rs' if rs else ''} {mode}", variant, "no overlap", "dcomm/reference"))
+    for mode, rs, gf in itertools.product(STEP_MODES, (False, True), (False, True)):
+        name = f"step{'+rs' if rs else ''}{'+gf' if gf else ''} {mode}"
+        variant = f"dcomm {name}"
+        case.variants[variant] = lambda mode=mode, rs=rs, gf=gf: build_zero(ctx, ("dcomm", "step"), rs, mode, gf)
+        case.pairs.append(Pair(f"zero/{name}", variant, "no overlap", "dcomm/reference"))
     case.variants["dcomm step python"] = lambda: build_zero(ctx, ("dcomm", "step"), python=True)
     case.pairs.append(Pair("zero/step C++ vs python", "dcomm step", "dcomm step python", "dcomm/reference"))
     return case

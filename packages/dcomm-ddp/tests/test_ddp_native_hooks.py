@@ -246,27 +246,36 @@ def _counting(launch: Callable, counted: list[int]) -> Callable:
 
 
 def _zero_overlap_in_cpp(rank: int, world: int) -> None:
-    # The fused ZeRO overlap step over allreduce_hook: once DDP settled its buckets, the C++ hook
-    # averages every bucket and calls the driver once per backward. Same parameters, bit for bit,
-    # as the Python hook (itself tested against non-overlapped ZeRO in test_ddp_zero_overlap.py).
+    # The fused ZeRO overlap step: once DDP settled its buckets, the C++ hook averages every bucket
+    # (or, with reduce_scatter=True, fills the shards and reduce-scatters each once complete) and
+    # calls the driver once per backward. Same parameters, bit for bit, as the Python hook (itself
+    # tested against non-overlapped ZeRO in test_ddp_zero_overlap.py).
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from dcomm.ddp import hook_with_zero_step, hook_with_zero_step_interleaved
+    from dcomm.ddp import hook_with_zero_step, hook_with_zero_step_interleaved, wait_for_parameters
     from dcomm.ddp._zero.checks import HOOK_MARK
 
+    sharded = {"reduce_scatter": True, "step_mode": "fused"}
     cases = [
         (hook_with_zero_step, allreduce_hook, {}, {}),
         (hook_with_zero_step, torch_hooks.allreduce_hook, {}, {}),
         (hook_with_zero_step_interleaved, allreduce_hook, {"step_mode": "fused"}, {}),
         (hook_with_zero_step, allreduce_hook, {}, {"find_unused_parameters": True}),  # stays in Python
+        (hook_with_zero_step, allreduce_hook, sharded, {}),
+        (hook_with_zero_step_interleaved, bf16_compress_hook, sharded, {}),  # shards sent in bf16
+        (hook_with_zero_step, fp16_compress_hook, {**sharded, "gather_during_forward": True}, {}),
+        (hook_with_zero_step, allreduce_hook, {**sharded, "shard_buckets": True}, {"frozen": True}),  # stays
     ]
     for builder, inner, options, ddp_options in cases:
         what = f"{builder.__name__}({inner.__module__}.{inner.__name__}, {options}, {ddp_options})"
         results, launches, switches = {}, {}, {}
         for enabled in (True, False):
             net = seeded_mlp(8, 16, 16, 4, activation=nn.ReLU)
-            ddp = DDP(net, bucket_cap_mb=0.001, **ddp_options)
-            zero = ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01)
+            ddp = DDP(net, bucket_cap_mb=0.001, **{k: v for k, v in ddp_options.items() if k != "frozen"})
+            # "frozen": the last bias is trained outside ZeRO, so its bucket is also averaged by the
+            # wrapped hook, which needs Python: the C++ hook never takes over.
+            trained = list(net.parameters())[:-1] if ddp_options.get("frozen") else net.parameters()
+            zero = ZeroRedundancyOptimizer(trained, torch.optim.Adam, overlap_with_ddp=True, lr=0.01)
             hook = builder(inner, ddp, zero, **options)
             with native_hooks.switched(enabled):
                 ddp.register_comm_hook(None, hook)
@@ -279,11 +288,15 @@ def _zero_overlap_in_cpp(rank: int, world: int) -> None:
                 ddp(seeded_batch(rank, step, (6, 8))).square().sum().backward()
                 per_step.append(len(counted))
                 counted.clear()
+            wait_for_parameters(hook)  # a no-op without gather_during_forward
             results[enabled] = [p.detach().clone() for p in net.parameters()]
             launches[enabled], switches[enabled] = per_step, driver.native_switch
         assert switches[False] is None, what
         assert all(n >= 1 for n in launches[False]), (what, launches)
-        if ddp_options:
+        if ddp_options.get("frozen"):
+            assert not switches[True].on, what  # registered, never switched on
+            assert all(n >= 1 for n in launches[True]), (what, launches)
+        elif ddp_options:
             assert switches[True] is None, what  # registered as a Python hook
             assert all(n >= 1 for n in launches[True]), (what, launches)
         else:

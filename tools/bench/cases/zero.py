@@ -10,7 +10,8 @@ reduce-scatter and one all-gather per bucket), and each also with ``gather_durin
 and their ``+rs``, ``+gf`` and ``+rs+gf`` forms force one. A ``reduce_scatter`` variant reports ``fallback_count`` of
 its hook: buckets allreduced instead, after DDP settled its buckets. ``dcomm step python`` is
 ``dcomm step`` kept a Python hook (``DCOMM_NATIVE_HOOKS=0``): the row ``zero/step C++ vs python``
-shows what averaging the buckets in C++ on DDP's reducer saves.
+shows what averaging the buckets in C++ on DDP's reducer saves; ``dcomm step+rs python`` and its row
+the same for the reduce-scatters of ``reduce_scatter=True``.
 
 Example::
 
@@ -111,6 +112,9 @@ def zero_case(ctx: Context) -> Case:
         variant = f"dcomm {name}"
         case.variants[variant] = lambda mode=mode, rs=rs, gf=gf: build_zero(ctx, ("dcomm", "step"), rs, mode, gf)
         case.pairs.append(Pair(f"zero/{name}", variant, "no overlap", "dcomm/reference"))
-    case.variants["dcomm step python"] = lambda: build_zero(ctx, ("dcomm", "step"), python=True)
-    case.pairs.append(Pair("zero/step C++ vs python", "dcomm step", "dcomm step python", "dcomm/reference"))
+    for rs in (False, True):
+        name = f"step{'+rs' if rs else ''}"
+        case.variants[f"dcomm {name} python"] = lambda rs=rs: build_zero(ctx, ("dcomm", "step"), rs, python=True)
+        pair = Pair(f"zero/{name} C++ vs python", f"dcomm {name}", f"dcomm {name} python", "dcomm/reference")
+        case.pairs.append(pair)
     return case

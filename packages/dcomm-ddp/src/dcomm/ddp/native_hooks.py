@@ -10,6 +10,9 @@ ends with: registering dcomm's :func:`~dcomm.ddp.allreduce_hook`,
 the same arithmetic on the reducer (bit-identical gradients); any other hook is registered as
 before. DDP's checks, its logged hook name and ``ddp._comm_hooks`` are unchanged. A bucket of
 sparse gradients is passed to the Python hook (DDP buckets complex gradients as their real view).
+ZeRO overlap hooks (:mod:`dcomm.ddp.zero_overlap`) get a C++ hook too, switched on by their
+driver once DDP has settled its buckets: it allreduces every bucket (or, with
+``reduce_scatter=True``, reduce-scatters every shard) and calls the driver once, at the last bucket.
 
 The C++ hook is compiled on first use by torch's extension builder (about 40 s on 2 cores, then
 cached in ``TORCH_EXTENSIONS_DIR``, one build per torch and Python version; a lock left by a build
@@ -268,7 +271,7 @@ def _as_python_caller(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _zero_driver(hook: object) -> Any | None:
-    """The driver of a ZeRO overlap hook whose buckets a C++ hook can average, else None."""
+    """The driver of a ZeRO overlap hook whose buckets a C++ hook can communicate, else None."""
     from dcomm.ddp._zero.checks import HOOK_MARK
     from dcomm.ddp._zero.driver import Driver
 
@@ -279,9 +282,9 @@ def _zero_driver(hook: object) -> Any | None:
 def _register_comm_hook(reducer: Any, state: object, comm_hook: Callable[..., Any]) -> None:
     """torch's ``_register_comm_hook``, with a C++ hook on the reducer for dcomm's averaging hooks.
 
-    A ZeRO overlap hook whose fused step follows plain averaging gets a C++ hook that runs the
-    Python hook until the driver switches it on, then averages every bucket itself and calls the
-    driver once per backward, at the last bucket.
+    A ZeRO overlap hook gets a C++ hook that runs the Python hook until the driver switches it on,
+    then communicates every bucket itself (an allreduce, or with ``reduce_scatter=True`` the
+    reduce-scatters of the shards) and calls the driver once per backward, at the last bucket.
     """
     driver = _zero_driver(comm_hook)
     averaging = comm_hook in _WIRE_DTYPE and (state is None or isinstance(state, dist.ProcessGroup))
@@ -291,9 +294,7 @@ def _register_comm_hook(reducer: Any, state: object, comm_hook: Callable[..., An
         _TORCH_REGISTER(reducer, state, comm_hook)
         return
     if driver is not None:
-        driver.native_switch = extension.register_average_hook(
-            reducer, driver.group, driver.plan_for_cpp, state, comm_hook, driver.run_last_bucket
-        )
+        driver.native_switch = driver.register_in_cpp(extension, reducer, state, comm_hook)
         return
     group = resolve_group(state)  # type: ignore[arg-type]
     extension.register_average_hook(

@@ -56,7 +56,9 @@ gradients became ready) need not be the planned ones: each is cut into pieces pe
 and a planned bucket is reduce-scattered once all its parameters arrived, so no bucket is
 allreduced for ZeRO's sake. Only a bucket that also holds parameters the
 ``ZeroRedundancyOptimizer`` does not update is, besides, averaged by the wrapped hook; after DDP
-settled, that warns once and :func:`fallback_count` counts such buckets. With
+settled, that warns once and :func:`fallback_count` counts such buckets. Without such a bucket, on
+the fused path, DDP's reducer fills the shards and starts their reduce-scatters in C++ once DDP
+settled (:mod:`dcomm.ddp.native_hooks`), with one Python call per backward pass. With
 ``gather_during_forward=True`` (either layout) the collectives returning the updated parameters
 are not waited for at the end of backward: each module's next forward waits for its own
 parameters' (saving or loading the state dict waits for all of them; :func:`wait_for_parameters`

@@ -155,12 +155,16 @@ class Driver:
     # -- what subclasses define -------------------------------------------------------------------
 
     def can_run_in_cpp(self) -> bool:
-        """Whether a C++ hook can average every bucket and leave only the last one to Python."""
+        """Whether a C++ hook can communicate every bucket and leave only the last one to Python."""
         return False
 
-    def plan_for_cpp(self, dtype: torch.dtype, device: torch.device) -> tuple[float, Any, None]:
-        """The C++ hook's averaging of a bucket: (divisor before the sum, op, None: in place)."""
+    def register_in_cpp(self, extension: Any, reducer: Any, state: object, python_hook: Hook) -> Any:
+        """Put this driver's C++ hook on DDP's reducer, switched off (it runs ``python_hook``); its switch."""
         raise NotImplementedError
+
+    def ready_for_cpp(self) -> bool:
+        """Give the C++ hook what it needs once DDP settled; False where it cannot take over."""
+        return True
 
     def per_bucket_overlaps(self) -> bool:
         """Whether the per-bucket path overlaps any update with backward (else "auto" is "fused")."""
@@ -378,6 +382,8 @@ class Driver:
         """Switch the C++ hook on once this backward's path is final: fused, settled, every bucket planned."""
         if self.mode != "fused" or self.calibration is not None or self.pending or not self.planned_for_good():
             return
+        if not self.ready_for_cpp():
+            return
         if self.stream is not None:
             # Only the side stream, where the step runs, waits for every bucket; DDP's copies of
             # the buckets into .grad each follow their own bucket's collective.
@@ -386,8 +392,8 @@ class Driver:
         self.native_switch.set(True)
         if self.rank == 0:
             logger.info(
-                "ZeRO overlap: DDP's reducer now averages every bucket in C++ and calls the fused step once "
-                "per backward pass, at its last bucket"
+                "ZeRO overlap: DDP's reducer now communicates every bucket in C++ and calls the fused step "
+                "once per backward pass, at its last bucket"
             )
 
     def run_last_bucket(self, indices: list[int], averaged: list[torch.Tensor]) -> None:

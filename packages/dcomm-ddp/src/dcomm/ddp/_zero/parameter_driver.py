@@ -135,7 +135,13 @@ class ParameterDriver(Driver):
         # The C++ hook averages as _launch does; which parameters some rank used it cannot tell.
         return self.averages_itself and self.used is None
 
+    def register_in_cpp(self, extension: Any, reducer: Any, state: object, python_hook: Any) -> Any:
+        return extension.register_average_hook(
+            reducer, self.group, self.plan_for_cpp, state, python_hook, self.run_last_bucket
+        )
+
     def plan_for_cpp(self, dtype: torch.dtype, device: torch.device) -> tuple[float, Any, None]:
+        """The C++ hook's averaging of a bucket: (divisor before the sum, op, None: in place)."""
         plan = self._average_plan_for(dtype, device)
         return plan.pre, plan.op, None
 

@@ -12,6 +12,14 @@
 // Python names, so that DDP's own copies of the buckets into .grad still follow each bucket's
 // collective on the backward stream) and hands their indices and averaged buffers to that
 // callable: one Python call per backward pass instead of one per bucket (ZeRO overlap's fused step).
+//
+// A scatter hook (ZeRO overlap with reduce_scatter=True) is registered the same way, switched off.
+// Python gives it, once DDP has settled its buckets, where each bucket's gradients go: runs of the
+// bucket copied, divided by the group size, into the send buffers of the shards, and how many
+// parameters complete each shard. Switched on, it fills the shards from every bucket, starts each
+// shard's reduce-scatter (a SUM) once its last parameter has arrived, hands DDP its bucket back
+// unchanged, and at the last bucket waits for every reduce-scatter (on Python's stream) and gives
+// Python the shards in the order they were sent: one Python call per backward pass.
 #include <torch/extension.h>
 
 #include <c10/core/Stream.h>
@@ -45,6 +53,28 @@ struct Plan {
 struct Switch {
   std::atomic<bool> on{true};
   std::optional<c10::Stream> waiting;
+};
+
+// Where one bucket's gradients go: ``runs`` of (bucket offset, send-buffer offset, elements) into
+// the send buffer of shard ``shard``, which gets ``count`` of its parameters from this bucket.
+struct Piece {
+  int64_t shard;
+  int64_t count;
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> runs;
+};
+
+struct Shard {
+  at::Tensor send;  // the gradients divided by the group size, laid out as the shard's flat buffer
+  at::Tensor recv;  // this rank's slice of their sum
+  int64_t params;   // parameters that complete it
+  int64_t seen = 0;
+};
+
+// A scatter hook's switch, with the layout Python sets once DDP has settled its buckets.
+struct ScatterSwitch : Switch {
+  int64_t world = 1;
+  std::vector<Shard> shards;
+  std::vector<std::vector<Piece>> buckets;  // by bucket index
 };
 
 struct Launched {
@@ -189,6 +219,124 @@ class AverageHook final : public c10d::CommHookInterface {
   std::vector<at::Tensor> low_;
 };
 
+class ScatterHook final : public c10d::CommHookInterface {
+ public:
+  ScatterHook(c10::intrusive_ptr<c10d::ProcessGroup> group, py::object state, py::object python_hook,
+              py::object at_last, std::shared_ptr<ScatterSwitch> native)
+      : group_(std::move(group)),
+        at_last_(std::move(at_last)),
+        native_(std::move(native)),
+        python_(std::move(state), std::move(python_hook)) {}
+
+  ~ScatterHook() override {
+    py::gil_scoped_acquire gil;
+    at_last_ = py::object();
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    auto index = static_cast<size_t>(bucket.getIndex());
+    if (!native_->on.load() || index >= native_->buckets.size()) {
+      return python_.runHook(bucket);
+    }
+    if (index == 0) {
+      launched_.clear();  // what an interrupted backward pass left
+      for (auto& shard : native_->shards) {
+        shard.seen = 0;
+      }
+    }
+    const at::Tensor& buffer = bucket.getBufferRef();
+    for (const Piece& piece : native_->buckets[index]) {
+      Shard& shard = native_->shards[piece.shard];
+      divideInto(shard.send, buffer, piece);
+      shard.seen += piece.count;
+      if (shard.seen == shard.params) {
+        shard.seen = 0;
+        launched_.push_back({piece.shard, reduceScatter(shard)});
+      }
+    }
+    // DDP gets its bucket back unchanged: .grad keeps this rank's own gradient.
+    auto future = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+    future->markCompleted(c10::IValue(buffer));
+    if (bucket.isLast()) {
+      handOver();
+    }
+    return future;
+  }
+
+  at::Tensor parseHookResult(const c10::IValue& result) override {
+    if (result.isPyObject()) {
+      return python_.parseHookResult(result);
+    }
+    return c10d::detail::parseCppCommHookResult(result);
+  }
+
+ private:
+  // send[dst : dst + n] = bucket[src : src + n] / world for each run: the arithmetic of the Python
+  // hook (one division into the send buffer for a single run; a copy, then the division in place,
+  // for several runs of one dtype).
+  void divideInto(at::Tensor& send, const at::Tensor& buffer, const Piece& piece) {
+    if (!world_.defined()) {
+      world_ = at::scalar_tensor(native_->world, at::kLong);
+      world_.unsafeGetTensorImpl()->set_wrapped_number(true);
+    }
+    if (piece.runs.size() == 1 || buffer.scalar_type() != send.scalar_type()) {
+      for (const auto& [src, dst, numel] : piece.runs) {
+        at::Tensor target = send.narrow(0, dst, numel);
+        at::div_out(target, buffer.narrow(0, src, numel), world_);
+      }
+      return;
+    }
+    std::vector<at::Tensor> sources;
+    std::vector<at::Tensor> targets;
+    sources.reserve(piece.runs.size());
+    targets.reserve(piece.runs.size());
+    for (const auto& [src, dst, numel] : piece.runs) {
+      sources.push_back(buffer.narrow(0, src, numel));
+      targets.push_back(send.narrow(0, dst, numel));
+    }
+    at::_foreach_copy_(targets, sources);
+    at::_foreach_div_(targets, c10::Scalar(native_->world));
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduceScatter(Shard& shard) {
+    c10d::ReduceScatterOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    return group_->_reduce_scatter_base(shard.recv, shard.send, options);
+#pragma GCC diagnostic pop
+  }
+
+  // The last bucket: order the waiting stream (CUDA) or the host (gloo) after every shard's
+  // reduce-scatter, then give Python the shards in the order they were sent.
+  void handOver() {
+    std::vector<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> launched;
+    launched.swap(launched_);
+    {
+      std::optional<c10::StreamGuard> on_waiting;
+      if (native_->waiting.has_value()) {
+        on_waiting.emplace(*native_->waiting);
+      }
+      for (auto& item : launched) {
+        item.second->wait();  // a stream wait on CUDA, a host wait on gloo (whose works have no future)
+      }
+    }
+    py::gil_scoped_acquire gil;
+    py::list shards;
+    for (auto& item : launched) {
+      shards.append(item.first);
+    }
+    at_last_(shards);
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  py::object at_last_;
+  std::shared_ptr<ScatterSwitch> native_;
+  std::vector<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> launched_;  // (shard, its reduce-scatter)
+  c10d::PythonCommHook python_;
+  at::Tensor world_;  // the group size as Python passes it to an out= division
+};
+
 std::shared_ptr<Switch> registerHook(const std::shared_ptr<c10d::Reducer>& reducer,
                                      const c10::intrusive_ptr<c10d::ProcessGroup>& group, py::object plan_for,
                                      py::object state, py::object python_hook, py::object at_last) {
@@ -196,6 +344,17 @@ std::shared_ptr<Switch> registerHook(const std::shared_ptr<c10d::Reducer>& reduc
   native->on.store(at_last.is_none());  // with a last-bucket callable, Python switches it on
   reducer->register_comm_hook(std::make_unique<AverageHook>(group, std::move(plan_for), std::move(state),
                                                             std::move(python_hook), std::move(at_last), native));
+  return native;
+}
+
+std::shared_ptr<ScatterSwitch> registerScatterHook(const std::shared_ptr<c10d::Reducer>& reducer,
+                                                  const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                                  py::object state, py::object python_hook, py::object at_last) {
+  auto native = std::make_shared<ScatterSwitch>();
+  native->on.store(false);  // Python switches it on once it has set the layout
+  native->world = group->getSize();
+  reducer->register_comm_hook(
+      std::make_unique<ScatterHook>(group, std::move(state), std::move(python_hook), std::move(at_last), native));
   return native;
 }
 
@@ -213,7 +372,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("stream_id"), py::arg("device_index"), py::arg("device_type"),
           "Wait for every bucket on this stream (torch.cuda.Stream's three numbers) instead of the current one.")
       .def_property_readonly("on", [](const Switch& self) { return self.on.load(); });
+  py::class_<ScatterSwitch, Switch, std::shared_ptr<ScatterSwitch>>(m, "ScatterSwitch")
+      .def(
+          "set_layout",
+          [](ScatterSwitch& self, std::vector<std::tuple<at::Tensor, at::Tensor, int64_t>> shards,
+             std::vector<std::vector<std::tuple<int64_t, int64_t, std::vector<std::tuple<int64_t, int64_t, int64_t>>>>>
+                 buckets) {
+            if (self.on.load()) {
+              throw std::runtime_error("set_layout: switch the hook off first");
+            }
+            self.shards.clear();
+            for (auto& [send, recv, params] : shards) {
+              self.shards.push_back({send, recv, params, 0});
+            }
+            self.buckets.clear();
+            for (auto& pieces : buckets) {
+              std::vector<Piece> converted;
+              for (auto& [shard, count, runs] : pieces) {
+                converted.push_back({shard, count, runs});
+              }
+              self.buckets.push_back(std::move(converted));
+            }
+          },
+          py::arg("shards"), py::arg("buckets"),
+          "The shards (send buffer, receive buffer, parameters) and, per bucket, its pieces "
+          "(shard, parameters, [(bucket offset, send offset, elements)]).");
   m.def("register_average_hook", &registerHook, py::arg("reducer"), py::arg("group"), py::arg("plan_for"),
         py::arg("state"), py::arg("python_hook"), py::arg("at_last") = py::none(),
         "Register the C++ averaging hook on DDP's reducer (once, before the first backward); return its switch.");
+  m.def("register_scatter_hook", &registerScatterHook, py::arg("reducer"), py::arg("group"), py::arg("state"),
+        py::arg("python_hook"), py::arg("at_last"),
+        "Register the C++ reduce-scatter hook on DDP's reducer, switched off (set its layout, then switch it on).");
 }

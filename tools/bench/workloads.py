@@ -154,8 +154,25 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
+class RandomTokens:
+    """What both language models train on: random tokens, next-token cross-entropy."""
+
+    vocab: int
+    tokens: int
+    batch: int
+
+    def make_batch(self, device: torch.device) -> Batch:
+        generator = _batch_generator()
+        ids = torch.randint(self.vocab, (self.batch, self.tokens + 1), generator=generator).to(device)
+        return ids[:, :-1], ids[:, 1:]
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        logits = model(batch[0])
+        return F.cross_entropy(logits.float().flatten(0, 1), batch[1].flatten())
+
+
 @dataclass(frozen=True)
-class TransformerWorkload:
+class TransformerWorkload(RandomTokens):
     """A GPT-shaped language model trained on random tokens with cross-entropy."""
 
     name: str
@@ -176,15 +193,6 @@ class TransformerWorkload:
     def build(self, device: torch.device) -> nn.Module:
         torch.manual_seed(0)
         return GPT(self.vocab, self.tokens, self.width, self.layers, self.heads, device)
-
-    def make_batch(self, device: torch.device) -> Batch:
-        generator = _batch_generator()
-        ids = torch.randint(self.vocab, (self.batch, self.tokens + 1), generator=generator).to(device)
-        return ids[:, :-1], ids[:, 1:]
-
-    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        logits = model(batch[0])
-        return F.cross_entropy(logits.float().flatten(0, 1), batch[1].flatten())
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -242,7 +250,7 @@ class Llama(nn.Module):
 
 
 @dataclass(frozen=True)
-class LlamaWorkload:
+class LlamaWorkload(RandomTokens):
     """A Llama-shaped language model trained on random tokens with cross-entropy."""
 
     name: str
@@ -264,15 +272,6 @@ class LlamaWorkload:
     def build(self, device: torch.device) -> nn.Module:
         torch.manual_seed(0)
         return Llama(self.vocab, self.width, self.layers, self.heads, self.hidden, device)
-
-    def make_batch(self, device: torch.device) -> Batch:
-        generator = _batch_generator()
-        ids = torch.randint(self.vocab, (self.batch, self.tokens + 1), generator=generator).to(device)
-        return ids[:, :-1], ids[:, 1:]
-
-    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        logits = model(batch[0])
-        return F.cross_entropy(logits.float().flatten(0, 1), batch[1].flatten())
 
 
 class ResidualBlock(nn.Module):

@@ -83,20 +83,54 @@ struct Launched {
   c10::intrusive_ptr<c10::ivalue::Future> future;
 };
 
-class AverageHook final : public c10d::CommHookInterface {
+// What both hooks share: the process group, the Python hook they run while switched off (and for
+// buckets they do not handle), and the Python callable they hand the last bucket to.
+class SwitchedHook : public c10d::CommHookInterface {
+ public:
+  SwitchedHook(c10::intrusive_ptr<c10d::ProcessGroup> group, py::object state, py::object python_hook,
+               py::object at_last)
+      : group_(std::move(group)), at_last_(std::move(at_last)), python_(std::move(state), std::move(python_hook)) {}
+
+  ~SwitchedHook() override {
+    py::gil_scoped_acquire gil;
+    at_last_ = py::object();
+  }
+
+  at::Tensor parseHookResult(const c10::IValue& result) override {
+    if (result.isPyObject()) {
+      return python_.parseHookResult(result);
+    }
+    return c10d::detail::parseCppCommHookResult(result);
+  }
+
+ protected:
+  // Run ``wait`` with the switch's waiting stream current (CUDA), where Python named one: what it
+  // waits for orders that stream, not the backward pass's.
+  template <typename Wait>
+  static void onWaitingStream(const Switch& native, Wait&& wait) {
+    std::optional<c10::StreamGuard> on_waiting;
+    if (native.waiting.has_value()) {
+      on_waiting.emplace(*native.waiting);
+    }
+    wait();
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  py::object at_last_;  // None for a plain averaging hook
+  c10d::PythonCommHook python_;
+};
+
+class AverageHook final : public SwitchedHook {
  public:
   AverageHook(c10::intrusive_ptr<c10d::ProcessGroup> group, py::object plan_for, py::object state,
               py::object python_hook, py::object at_last, std::shared_ptr<Switch> native)
-      : group_(std::move(group)),
+      : SwitchedHook(std::move(group), std::move(state), std::move(python_hook), std::move(at_last)),
         plan_for_(std::move(plan_for)),
-        at_last_(std::move(at_last)),
-        native_(std::move(native)),
-        python_(std::move(state), std::move(python_hook)) {}
+        native_(std::move(native)) {}
 
   ~AverageHook() override {
     py::gil_scoped_acquire gil;
     plan_for_ = py::object();
-    at_last_ = py::object();
   }
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
@@ -116,13 +150,6 @@ class AverageHook final : public c10d::CommHookInterface {
       }
     }
     return future;
-  }
-
-  at::Tensor parseHookResult(const c10::IValue& result) override {
-    if (result.isPyObject()) {
-      return python_.parseHookResult(result);
-    }
-    return c10d::detail::parseCppCommHookResult(result);
   }
 
  private:
@@ -152,15 +179,11 @@ class AverageHook final : public c10d::CommHookInterface {
   void handOver() {
     std::vector<Launched> launched;
     launched.swap(launched_);
-    {
-      std::optional<c10::StreamGuard> on_waiting;
-      if (native_->waiting.has_value()) {
-        on_waiting.emplace(*native_->waiting);
-      }
+    onWaitingStream(*native_, [&] {
       for (auto& item : launched) {
         item.future->wait();
       }
-    }
+    });
     py::gil_scoped_acquire gil;
     py::list indices;
     py::list averaged;
@@ -208,30 +231,20 @@ class AverageHook final : public c10d::CommHookInterface {
     return low;
   }
 
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
   py::object plan_for_;
-  py::object at_last_;  // None for a plain averaging hook
   std::shared_ptr<Switch> native_;
   std::vector<Launched> launched_;  // this backward pass's buckets so far (with at_last_ only)
-  c10d::PythonCommHook python_;
   std::mutex mutex_;
   std::map<std::tuple<at::ScalarType, at::DeviceType, at::DeviceIndex>, Plan> plans_;
   std::vector<at::Tensor> low_;
 };
 
-class ScatterHook final : public c10d::CommHookInterface {
+class ScatterHook final : public SwitchedHook {
  public:
   ScatterHook(c10::intrusive_ptr<c10d::ProcessGroup> group, py::object state, py::object python_hook,
               py::object at_last, std::shared_ptr<ScatterSwitch> native)
-      : group_(std::move(group)),
-        at_last_(std::move(at_last)),
-        native_(std::move(native)),
-        python_(std::move(state), std::move(python_hook)) {}
-
-  ~ScatterHook() override {
-    py::gil_scoped_acquire gil;
-    at_last_ = py::object();
-  }
+      : SwitchedHook(std::move(group), std::move(state), std::move(python_hook), std::move(at_last)),
+        native_(std::move(native)) {}
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
     auto index = static_cast<size_t>(bucket.getIndex());
@@ -261,13 +274,6 @@ class ScatterHook final : public c10d::CommHookInterface {
       handOver();
     }
     return future;
-  }
-
-  at::Tensor parseHookResult(const c10::IValue& result) override {
-    if (result.isPyObject()) {
-      return python_.parseHookResult(result);
-    }
-    return c10d::detail::parseCppCommHookResult(result);
   }
 
  private:
@@ -312,15 +318,11 @@ class ScatterHook final : public c10d::CommHookInterface {
   void handOver() {
     std::vector<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> launched;
     launched.swap(launched_);
-    {
-      std::optional<c10::StreamGuard> on_waiting;
-      if (native_->waiting.has_value()) {
-        on_waiting.emplace(*native_->waiting);
-      }
+    onWaitingStream(*native_, [&] {
       for (auto& item : launched) {
         item.second->wait();  // a stream wait on CUDA, a host wait on gloo (whose works have no future)
       }
-    }
+    });
     py::gil_scoped_acquire gil;
     py::list shards;
     for (auto& item : launched) {
@@ -329,11 +331,8 @@ class ScatterHook final : public c10d::CommHookInterface {
     at_last_(shards);
   }
 
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  py::object at_last_;
   std::shared_ptr<ScatterSwitch> native_;
   std::vector<std::pair<int64_t, c10::intrusive_ptr<c10d::Work>>> launched_;  // (shard, its reduce-scatter)
-  c10d::PythonCommHook python_;
   at::Tensor world_;  // the group size as Python passes it to an out= division
 };
 

@@ -265,13 +265,16 @@ def _zero_overlap_in_cpp(rank: int, world: int) -> None:
         (hook_with_zero_step_interleaved, bf16_compress_hook, sharded, {}),  # shards sent in bf16
         (hook_with_zero_step, fp16_compress_hook, {**sharded, "gather_during_forward": True}, {}),
         (hook_with_zero_step, allreduce_hook, {**sharded, "shard_buckets": True}, {"frozen": True}),  # stays
+        # Gradients accumulated over 2 backward passes into DDP's bucket views: .grad keeps the local sum.
+        (hook_with_zero_step, allreduce_hook, sharded, {"gradient_as_bucket_view": True, "accumulate": 2}),
     ]
     for builder, inner, options, ddp_options in cases:
         what = f"{builder.__name__}({inner.__module__}.{inner.__name__}, {options}, {ddp_options})"
         results, launches, switches = {}, {}, {}
         for enabled in (True, False):
             net = seeded_mlp(8, 16, 16, 4, activation=nn.ReLU)
-            ddp = DDP(net, bucket_cap_mb=0.001, **{k: v for k, v in ddp_options.items() if k != "frozen"})
+            ddp_kwargs = {k: v for k, v in ddp_options.items() if k not in ("frozen", "accumulate")}
+            ddp = DDP(net, bucket_cap_mb=0.001, **ddp_kwargs)
             # "frozen": the last bias is trained outside ZeRO, so its bucket is also averaged by the
             # wrapped hook, which needs Python: the C++ hook never takes over.
             trained = list(net.parameters())[:-1] if ddp_options.get("frozen") else net.parameters()
@@ -284,7 +287,8 @@ def _zero_overlap_in_cpp(rank: int, world: int) -> None:
             driver.launch = _counting(driver.launch, counted)
             per_step = []
             for step in range(6):
-                zero.zero_grad(set_to_none=True)
+                if step % ddp_options.get("accumulate", 1) == 0:
+                    zero.zero_grad(set_to_none=True)
                 ddp(seeded_batch(rank, step, (6, 8))).square().sum().backward()
                 per_step.append(len(counted))
                 counted.clear()
@@ -296,7 +300,7 @@ def _zero_overlap_in_cpp(rank: int, world: int) -> None:
         if ddp_options.get("frozen"):
             assert not switches[True].on, what  # registered, never switched on
             assert all(n >= 1 for n in launches[True]), (what, launches)
-        elif ddp_options:
+        elif "find_unused_parameters" in ddp_options:
             assert switches[True] is None, what  # registered as a Python hook
             assert all(n >= 1 for n in launches[True]), (what, launches)
         else:

@@ -83,6 +83,21 @@ struct Launched {
   c10::intrusive_ptr<c10::ivalue::Future> future;
 };
 
+// One reduce-scatter of a flat tensor into this rank's slice: ``reduce_scatter_single`` where torch
+// has it (2.13 on), else ``_reduce_scatter_base``, which 2.13 deprecates (the int argument prefers
+// the first overload where both compile).
+template <typename Group>
+auto reduceScatterSingle(Group& group, at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& options,
+                         int) -> decltype(group.reduce_scatter_single(output, input, options)) {
+  return group.reduce_scatter_single(output, input, options);
+}
+
+template <typename Group>
+c10::intrusive_ptr<c10d::Work> reduceScatterSingle(Group& group, at::Tensor& output, at::Tensor& input,
+                                                   const c10d::ReduceScatterOptions& options, long) {
+  return group._reduce_scatter_base(output, input, options);
+}
+
 // What both hooks share: the process group, the Python hook they run while switched off (and for
 // buckets they do not handle), and the Python callable they hand the last bucket to.
 class SwitchedHook : public c10d::CommHookInterface {
@@ -307,10 +322,7 @@ class ScatterHook final : public SwitchedHook {
   c10::intrusive_ptr<c10d::Work> reduceScatter(Shard& shard) {
     c10d::ReduceScatterOptions options;
     options.reduceOp = c10d::ReduceOp::SUM;
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-    return group_->_reduce_scatter_base(shard.recv, shard.send, options);
-#pragma GCC diagnostic pop
+    return reduceScatterSingle(*group_, shard.recv, shard.send, options, 0);
   }
 
   // The last bucket: order the waiting stream (CUDA) or the host (gloo) after every shard's

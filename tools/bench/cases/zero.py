@@ -7,11 +7,13 @@ no optimizer at all: no overlap of the step and its parameter collectives can be
 reduce-scatter and one all-gather per bucket), and each also with ``gather_during_forward=True``
 (``+gf``: the next forward waits for each module's parameters). dcomm's variants choose their step path
 (``step_mode="auto"``, reported as ``step mode``); ``dcomm step fused``, ``dcomm step per_bucket``
-and their ``+rs``, ``+gf`` and ``+rs+gf`` forms force one. A ``reduce_scatter`` variant reports ``fallback_count`` of
-its hook: buckets allreduced instead, after DDP settled its buckets. ``dcomm step python`` is
-``dcomm step`` kept a Python hook (``DCOMM_NATIVE_HOOKS=0``): the row ``zero/step C++ vs python``
-shows what averaging the buckets in C++ on DDP's reducer saves; ``dcomm step+rs python`` and its row
-the same for the reduce-scatters of ``reduce_scatter=True``.
+and their ``+rs``, ``+gf`` and ``+rs+gf`` forms force one. A ``reduce_scatter`` variant reports
+``fallback_count`` of its hook: buckets allreduced instead, after DDP settled its buckets. The
+``... fused-adam`` variants use Adam with ``fused=True`` on both sides (rows ``zero/step
+fused-adam`` against ``no overlap fused-adam``). ``dcomm step python`` is ``dcomm step`` kept a
+Python hook (``DCOMM_NATIVE_HOOKS=0``): the row ``zero/step C++ vs python`` shows what averaging
+the buckets in C++ on DDP's reducer saves; ``dcomm step+rs python`` and its row the same for the
+reduce-scatters of ``reduce_scatter=True``.
 
 Example::
 
@@ -23,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 
 import torch
@@ -49,18 +52,21 @@ def build_zero(
     step_mode: str | None = None,
     gather_during_forward: bool = False,
     python: bool = False,
+    fused_adam: bool = False,
 ) -> Variant:
     """DDP + ZeroRedundancyOptimizer(Adam); ``overlap = (impl, hook row)`` steps inside backward.
 
     ``step_mode`` (dcomm only) forces a step path; None keeps the hook's default (``"auto"``).
     ``gather_during_forward`` (dcomm) lets the next forward wait for each module's parameters.
-    ``python`` (dcomm): register the hook as a Python hook only.
+    ``python`` (dcomm): register the hook as a Python hook only. ``fused_adam``: Adam with
+    ``fused=True`` (one kernel per step on CUDA) instead of torch's default foreach Adam.
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     ddp = ctx.ddp(ctx.model())
+    adam: dict[str, object] = {"fused": True} if fused_adam else {}
     zero = ZeroRedundancyOptimizer(
-        ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=overlap is not None, lr=LR
+        ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=overlap is not None, lr=LR, **adam
     )
     if overlap is None:
         return Variant(train_step(ctx, ddp, zero))
@@ -112,6 +118,14 @@ def zero_case(ctx: Context) -> Case:
         variant = f"dcomm {name}"
         case.variants[variant] = lambda mode=mode, rs=rs, gf=gf: build_zero(ctx, ("dcomm", "step"), rs, mode, gf)
         case.pairs.append(Pair(f"zero/{name}", variant, "no overlap", "dcomm/reference"))
+    # Adam with fused=True on both sides: what the step costs when it is one kernel.
+    case.variants["no overlap fused-adam"] = lambda: build_zero(ctx, None, fused_adam=True)
+    for rs in (False, True):
+        name = f"step{'+rs' if rs else ''}"
+        fused = functools.partial(build_zero, ctx, ("dcomm", "step"), rs, fused_adam=True)
+        case.variants[f"dcomm {name} fused-adam"] = fused
+        pair = Pair(f"zero/{name} fused-adam", f"dcomm {name} fused-adam", "no overlap fused-adam", "dcomm/reference")
+        case.pairs.append(pair)
     for rs in (False, True):
         name = f"step{'+rs' if rs else ''}"
         case.variants[f"dcomm {name} python"] = lambda rs=rs: build_zero(ctx, ("dcomm", "step"), rs, python=True)

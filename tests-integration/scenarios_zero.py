@@ -76,19 +76,22 @@ def _train_against_plain_zero(
     hook: Callable[..., Any],
     zero_grad_every: int,
     make_model: Callable[[], torch.nn.Module] = _model,
+    adam: dict[str, Any] | None = None,
     **kwargs: Any,
-) -> None:
+) -> ZeroRedundancyOptimizer:
     """Train with the overlap hook and with ``hook`` + plain ZeRO; compare after every step.
 
-    ``zero_grad_every`` > 1 accumulates gradients over that many backward passes.
+    ``zero_grad_every`` > 1 accumulates gradients over that many backward passes; ``adam`` adds
+    Adam arguments on both sides. Returns the overlapped run's optimizer.
     """
     model, ref_model = make_model(), make_model()
     ddp, ref_ddp = _ddp(model), _ddp(ref_model)
-    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True, lr=1e-2)
+    adam = {"lr": 1e-2, **(adam or {})}
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True, **adam)
     overlap_hook = build(hook, ddp, zero, **kwargs)
     ddp.register_comm_hook(None, overlap_hook)
     ref_ddp.register_comm_hook(None, hook)
-    ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2)
+    ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam, **adam)
     tol = {"rtol": 1e-5, "atol": 1e-6} if kwargs.get("reduce_scatter") else {}
     before = flat_parameters(model)
     for step in range(STEPS):
@@ -107,6 +110,7 @@ def _train_against_plain_zero(
         before = ours
     if device().type == "cuda":
         torch.cuda.synchronize()
+    return zero
 
 
 @scenario(min_world_size=2)
@@ -147,3 +151,14 @@ def scenario_zero_overlap_tied_weights(rank: int, world_size: int) -> None:
         options = {"reduce_scatter": rs, "step_mode": mode, "gather_during_forward": gather}
         case = f"tied weights {builder.__name__}({options})"
         _train_against_plain_zero(case, rank, builder, allreduce_hook, 1, _TiedWeights, **options)
+
+
+@scenario(min_world_size=2)
+def scenario_zero_overlap_fused_adam(rank: int, world_size: int) -> None:
+    """Adam with fused=True (one kernel per step on CUDA) on both sides: plain ZeRO's parameters."""
+    builders = (hook_with_zero_step, hook_with_zero_step_interleaved)
+    for builder, rs in itertools.product(builders, (False, True)):
+        case = f"fused Adam {builder.__name__}(reduce_scatter={rs})"
+        options = {"reduce_scatter": rs, "step_mode": "fused"}
+        zero = _train_against_plain_zero(case, rank, builder, allreduce_hook, 1, adam={"fused": True}, **options)
+        assert zero.optim.defaults["fused"] is True, f"{case}: the local optimizer is not the fused Adam"

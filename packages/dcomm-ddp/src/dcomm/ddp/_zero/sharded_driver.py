@@ -244,12 +244,15 @@ class ShardedDriver(Driver):
         def step_and_gather() -> None:
             for item in items:
                 self._gather_grads(item)
-            ready = [shard for item in items for shard in item.ready]
-            if ready:
-                self.local_step([shard.slice for shard in ready])
-            self._gather(ready)
+            self._step_and_gather([shard for item in items for shard in item.ready])
 
         self.in_stream(step_and_gather)
+
+    def _step_and_gather(self, shards: list[Shard]) -> None:
+        """One step over the slices of ``shards`` (their ``grad`` set), then their all-gathers back to back."""
+        if shards:
+            self.local_step([shard.slice for shard in shards])
+        self._gather(shards)
 
     def end_backward(self) -> None:
         self.fast_buckets, self.fallback_buckets = self._counting
@@ -288,8 +291,7 @@ class ShardedDriver(Driver):
         def step_and_gather() -> None:
             for shard in shards:
                 self._take_grad(shard)
-            self.local_step([shard.slice for shard in shards])
-            self._gather(shards)
+            self._step_and_gather(shards)
 
         self.in_stream(step_and_gather)
         self._backward_ended(self.bucket_count)

@@ -243,6 +243,10 @@ def test_state_arguments_and_bad_state_dict() -> None:
         QuantizedState(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="cuda_graphs: expected True or False, got 'no'; pass False to run"):
         QuantizedState(None, cuda_graphs="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bf16_if_faster: expected True or False, got 'yes'; pass False to send"):
+        QuantizedState(None, bf16_if_faster="yes")  # type: ignore[arg-type]
+    assert QuantizedState(None).bf16_if_faster
+    assert "bf16_if_faster=False, wire=None" in repr(QuantizedState(None, bf16_if_faster=False))
     assert QuantizedState(None).cuda_graphs
     assert not QuantizedState(None, cuda_graphs=False).cuda_graphs
     assert "cuda_graphs=False" in repr(QuantizedState(None, cuda_graphs=False))
@@ -302,7 +306,9 @@ def _graphs_match_eager(rank: int, world: int) -> None:
     for fmt, hook in HOOKS.items():
         runs = {}
         for graphs in (True, False):
-            state = QuantizedState(None, error_feedback=True, block_size=BLOCK, cuda_graphs=graphs)
+            state = QuantizedState(
+                None, error_feedback=True, block_size=BLOCK, cuda_graphs=graphs, bf16_if_faster=False
+            )
             model = seeded_mlp(64, 256, 256, 256, 8, device=device)
             run = DDPRun(model, hook, state, batches.__getitem__, device_ids=[rank], bucket_cap_mb=0.1)
             runs[graphs] = (run, state)

@@ -19,7 +19,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dcomm.ddp import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved, step_mode_of
-from dcomm.ddp._zero.step_mode import BLOCKS, PATHS, Calibration
+from dcomm.ddp._zero.step_mode import PATHS, step_calibration
 from dcomm_testing import flat_parameters, run_ranks, seeded_mlp, seeded_normal
 
 BUCKET_MB = 0.001  # several buckets once DDP settles its layout
@@ -72,19 +72,19 @@ def _agreement(rank: int, world: int) -> list[str]:
     ]
     for durations, expected, spill in cases:
         now = [0.0]
-        calibration = Calibration(dist.group.WORLD, steps=2, warmup=1, clock=lambda now=now: now[0])
-        assert calibration.next_mode(settled=False, device=torch.device("cpu")) == "per_bucket"
+        calibration = step_calibration(dist.group.WORLD, steps=2, warmup=1, clock=lambda now=now: now[0])
         modes: list[str] = []
         while calibration.chosen is None:
-            mode = calibration.next_mode(settled=True, device=torch.device("cpu"))
+            mode = calibration.next_path(torch.device("cpu"))
             spilled = spill if modes and modes[-1] == "per_bucket" else 0.0
             modes.append(mode)
             now[0] += durations[mode] + spilled  # this iteration took that long on this rank
         # Blocks of 4 passes, per-bucket, fused, fused, per-bucket (2 timed intervals each), then
         # the choice at the next.
-        assert modes[:-1] == [path for path in BLOCKS for _ in range(4)], modes
+        blocks = ("per_bucket", "fused", "fused", "per_bucket")
+        assert modes[:-1] == [path for path in blocks for _ in range(4)], modes
         assert modes[-1] == expected, (durations, modes)
-        assert calibration.next_mode(settled=True, device=torch.device("cpu")) == expected
+        assert calibration.next_path(torch.device("cpu")) == expected
         assert _all_ranks(expected) == [expected] * world
         chosen.append(modes[-1])
     lines = [m for m in records.messages if "step_mode='auto' chose" in m]

@@ -62,8 +62,10 @@ class ResumableHookState:
     Args:
         process_group: the group gradients are averaged over (WORLD when None).
 
-    Subclasses set ``_SETTINGS`` (attributes saved and required equal on restore) and
-    ``_MEMORY`` (attributes holding ``dict[int, Tensor]``, saved as copies) and implement
+    Subclasses set ``_SETTINGS`` (attributes saved and required equal on restore),
+    ``_MEMORY`` (attributes holding ``dict[int, Tensor]``, saved as copies) and, optionally,
+    ``_OPTIONAL`` (progress keys that older checkpoints lack: :meth:`_restore` gets them only where
+    present), and implement
     :meth:`_progress`, :meth:`_progress_checks` and :meth:`_restore`.
 
     Example::
@@ -76,6 +78,7 @@ class ResumableHookState:
 
     _SETTINGS: ClassVar[tuple[str, ...]]
     _MEMORY: ClassVar[tuple[str, ...]]
+    _OPTIONAL: ClassVar[tuple[str, ...]] = ()  # progress keys a checkpoint may lack (older versions)
 
     def __init__(self, process_group: dist.ProcessGroup | None) -> None:
         self.process_group = process_group_or_none(
@@ -121,7 +124,8 @@ class ResumableHookState:
         checks = dict(self._progress_checks(fix))
         for key in self._MEMORY:
             checks[key] = functools.partial(_memory_copy, fix=fix)
-        checked = check_state_dict(owner, state_dict, checks, {}, required=[*self._SETTINGS, *checks])
+        required = [*self._SETTINGS, *(key for key in checks if key not in self._OPTIONAL)]
+        checked = check_state_dict(owner, state_dict, checks, {}, required=required)
         for key in self._SETTINGS:
             if state_dict[key] != getattr(self, key):
                 raise ValueError(

@@ -144,7 +144,14 @@ def _compress_hook(
             "parameter with sparse gradients, e.g. nn.Embedding(sparse=True)); register "
             "dcomm.ddp.allreduce_hook instead, or build the layer with sparse=False"
         )
-    by_reducer = _called_by_reducer(_caller_of_hook())
+    return _compressed_average(dtype, group, bucket, _called_by_reducer(_caller_of_hook()))
+
+
+def _compressed_average(
+    dtype: torch.dtype, group: dist.ProcessGroup, bucket: dist.GradBucket, by_reducer: bool
+) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket in place over ``group``, sent in ``dtype``; ``by_reducer``: DDP's reducer called."""
+    buffer = bucket.buffer()
     if buffer.dtype == dtype:
         # Already low precision (a half-precision model): average in place, nothing to cast.
         return _average(group, buffer, bucket if by_reducer else None)

@@ -279,22 +279,53 @@ def _zero_driver(hook: object) -> Any | None:
     return driver if isinstance(driver, Driver) and driver.can_run_in_cpp() else None
 
 
+def _quantized_state(hook: object, state: object) -> Any | None:
+    """The state of an int8/fp8 hook that may switch to bf16 (see :mod:`dcomm.ddp._wire_choice`), else None."""
+    from dcomm.ddp import quantized_hooks
+
+    if hook not in (quantized_hooks.int8_compress_hook, quantized_hooks.fp8_compress_hook):
+        return None
+    if state is not None and not isinstance(state, quantized_hooks.QuantizedState):
+        return None  # the hook raises on it
+    resolved = quantized_hooks._resolve_state(state, hook.__name__)
+    return resolved if resolved.bf16_if_faster else None
+
+
 def _register_comm_hook(reducer: Any, state: object, comm_hook: Callable[..., Any]) -> None:
     """torch's ``_register_comm_hook``, with a C++ hook on the reducer for dcomm's averaging hooks.
 
     A ZeRO overlap hook gets a C++ hook that runs the Python hook until the driver switches it on,
     then communicates every bucket itself (an allreduce, or with ``reduce_scatter=True`` the
     reduce-scatters of the shards) and calls the driver once per backward, at the last bucket.
+    An int8/fp8 hook gets the bf16 averaging hook, switched off: it runs the Python hook until that
+    chooses bf16 (:mod:`dcomm.ddp._wire_choice`).
     """
     driver = _zero_driver(comm_hook)
     averaging = comm_hook in _WIRE_DTYPE and (state is None or isinstance(state, dist.ProcessGroup))
-    extension = _extension() if (driver is not None or averaging) and _enabled() else None
+    quantized = _quantized_state(comm_hook, state)
+    wanted = driver is not None or averaging or quantized is not None
+    extension = _extension() if wanted and _enabled() else None
     if extension is None:
         # Any other hook or state (the Python hook raises on a bad state, as torch's does).
         _TORCH_REGISTER(reducer, state, comm_hook)
         return
     if driver is not None:
         driver.native_switch = driver.register_in_cpp(extension, reducer, state, comm_hook)
+        return
+    if quantized is not None:
+        group = resolve_group(quantized.process_group)
+        # The Python hook itself, not a Python caller of it: while the switch is off it gets every
+        # bucket of a backward pass, so its futures may wait at the last bucket. Switched on, the
+        # C++ hook calls back at its last bucket, where the next pass's wire is chosen.
+        from dcomm.ddp.quantized_hooks import int8_compress_hook, native_pass_end
+
+        fmt = "int8" if comm_hook is int8_compress_hook else "fp8"
+        plan = _planner(group, torch.bfloat16)
+        switch = extension.register_average_hook(
+            reducer, group, plan, state, comm_hook, native_pass_end(quantized, fmt)
+        )
+        switch.set(quantized.wire == "bf16")
+        quantized._wire.switches.append(switch)
         return
     group = resolve_group(state)  # type: ignore[arg-type]
     extension.register_average_hook(

@@ -25,6 +25,14 @@ whose gradients overflowed (inf or NaN, as fp16 autocast with a ``GradScaler`` g
 averages to inf or NaN where it overflowed, so the scaler skips it, and leaves the error memories
 as they were there. ``state.bytes_sent`` counts the bytes this rank has sent.
 
+Where the codes do not pay (a link as fast as NVLink, where a bf16 allreduce of the bucket takes
+no longer than the two quantized shots and the quantization kernels come on top), the hook sends
+bf16 instead: once DDP has settled its buckets, it times a few backward passes of each
+(:mod:`dcomm.ddp._wire_choice`), keeps bf16 only where its slowest rank is faster, logs the choice
+once, and from then on averages as dcomm's ``bf16_compress_hook`` does (in C++ where the C++ hooks
+are built), without error memories. ``QuantizedState(..., bf16_if_faster=False)`` keeps the codes
+whatever the link; two runs then also send the same wire at every step.
+
 Example::
 
     >>> from dcomm.ddp import QuantizedState, int8_compress_hook
@@ -44,11 +52,12 @@ import torch
 import torch.distributed as dist
 
 from dcomm.core import QuantizedAverage, completed_future, quantized_average_bytes, reduced_by_nccl, resolve_group
-from dcomm.core.validation import boolean, even_int, non_negative_int
+from dcomm.core.validation import boolean, even_int, non_negative_int, one_of
 from dcomm.ddp._backward_works import defer_to_last_bucket, wait_deferred
 from dcomm.ddp._captured_average import CapturedAverages, StreamWork
 from dcomm.ddp._hook_state import ResumableHookState
-from dcomm.ddp.default_hooks import _called_by_reducer, _caller_of_hook
+from dcomm.ddp._wire_choice import WIRES, WireChoice
+from dcomm.ddp.default_hooks import _called_by_reducer, _caller_of_hook, _compressed_average
 
 __all__ = ["QuantizedState", "fp8_compress_hook", "int8_compress_hook", "quantized_allreduce_bytes"]
 
@@ -80,10 +89,14 @@ class QuantizedState(ResumableHookState):
         cuda_graphs: on NCCL, replay each settled bucket's average as one CUDA graph (keyword-only;
             the results are the same bit for bit). Pass False to profile or debug the kernels
             one by one, or where another tool captures the backward pass itself.
+        bf16_if_faster: once DDP has settled its buckets, time a few backward passes with the
+            quantized codes and with bf16, and send bf16 from then on where it is faster (keyword-only;
+            see the module's docstring). ``wire`` says what was chosen.
 
-    ``bytes_sent`` counts the bytes this rank has sent (host-side arithmetic, no sync).
-    ``state_dict()`` / ``load_state_dict()`` save and restore the error memory and the counter, so
-    a restored job continues bit-identically.
+    ``bytes_sent`` counts the bytes this rank has sent (host-side arithmetic, no sync; bf16
+    allreduces counted as a ring sends them). ``state_dict()`` / ``load_state_dict()`` save and
+    restore the error memory, the counter and the wire chosen, so a restored job continues
+    bit-identically.
 
     Example::
 
@@ -91,10 +104,21 @@ class QuantizedState(ResumableHookState):
         >>> ddp_model.register_comm_hook(state, fp8_compress_hook)  # doctest: +SKIP
     """
 
-    __slots__ = ("_averagers", "_graphs", "_pattern", "block_size", "bytes_sent", "error_feedback", "shard_error_dict")
+    __slots__ = (
+        "_averagers",
+        "_bytes",
+        "_graphs",
+        "_pattern",
+        "_wire",
+        "bf16_if_faster",
+        "block_size",
+        "error_feedback",
+        "shard_error_dict",
+    )
 
     _SETTINGS = ("error_feedback", "block_size")
     _MEMORY = ("error_dict", "shard_error_dict")
+    _OPTIONAL = ("wire", "passes")  # absent from the checkpoints of dcomm 0.1.0
 
     def __init__(
         self,
@@ -103,12 +127,17 @@ class QuantizedState(ResumableHookState):
         block_size: int = 256,
         *,
         cuda_graphs: bool = True,
+        bf16_if_faster: bool = True,
     ) -> None:
         super().__init__(process_group)
         self.error_feedback = boolean("error_feedback", error_feedback, "pass False to drop the rounding errors")
         self.block_size = even_int("block_size", block_size, 2, "the default is 256")
         graphs = boolean("cuda_graphs", cuda_graphs, "pass False to run each bucket's kernels one by one")
-        self.bytes_sent = 0
+        self.bf16_if_faster = boolean(
+            "bf16_if_faster", bf16_if_faster, "pass False to send the quantized codes whatever the link"
+        )
+        self._bytes = 0  # sent by the Python paths (the C++ bf16 hooks count their own)
+        self._wire = WireChoice()
         # Per bucket index: the local rounding error (the padded bucket, in error_dict) and the
         # owner's error of its re-quantized average chunk.
         self.shard_error_dict: dict[int, torch.Tensor] = {}
@@ -125,21 +154,63 @@ class QuantizedState(ResumableHookState):
         """Whether settled buckets are averaged by CUDA graph replays on NCCL (False after a failed capture)."""
         return self._graphs.enabled
 
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has sent through the hook."""
+        return self._bytes + self._wire.native_bytes()
+
+    @bytes_sent.setter
+    def bytes_sent(self, value: int) -> None:  # e.g. 0, to count from here on
+        self._bytes = non_negative_int("bytes_sent", value, "pass 0 to count from here on") - self._wire.native_bytes()
+
+    @property
+    def wire(self) -> str | None:
+        """``"bf16"`` or the quantized format, once chosen with ``bf16_if_faster``; None before.
+
+        Example::
+
+            >>> QuantizedState(None).wire is None
+            True
+        """
+        return self._wire.chosen
+
     def __repr__(self) -> str:
         return (
             f"QuantizedState(error_feedback={self.error_feedback}, block_size={self.block_size}, "
-            f"cuda_graphs={self.cuda_graphs}, bytes_sent={self.bytes_sent})"
+            f"cuda_graphs={self.cuda_graphs}, bf16_if_faster={self.bf16_if_faster}, wire={self.wire!r}, "
+            f"bytes_sent={self.bytes_sent})"
         )
 
     def _progress(self) -> dict[str, Any]:
-        return {"bytes_sent": self.bytes_sent}
+        return {"bytes_sent": self.bytes_sent, "wire": self._wire.chosen, "passes": self._wire.passes}
 
     def _progress_checks(self, fix: str) -> dict[str, Callable[[str, Any], Any]]:
-        return {"bytes_sent": lambda name, value: non_negative_int(name, value, fix)}
+        return {
+            "bytes_sent": lambda name, value: non_negative_int(name, value, fix),
+            "wire": lambda name, value: None if value is None else one_of(name, value, WIRES, fix),
+            "passes": lambda name, value: non_negative_int(name, value, fix),
+        }
 
     def _restore(self, progress: dict[str, Any]) -> None:
-        self.bytes_sent = progress["bytes_sent"]
+        chosen = progress.get("wire") if self.bf16_if_faster else None
+        self._wire.restore(chosen, progress.get("passes", 0))
+        self._bytes = progress["bytes_sent"] - self._wire.native_bytes()
         self._graphs.clear()  # they write the memories just replaced
+
+    def _end_pass(self, fmt: str, device: torch.device) -> None:
+        """The last bucket of a backward pass DDP's reducer handed over: choose the next pass's wire."""
+        self._wire.end_pass(fmt, self.process_group, device)
+        if self._wire.chosen == "bf16" and self._averagers:
+            self._forget_codes(device)
+
+    def _forget_codes(self, device: torch.device) -> None:
+        """bf16 from now on: free the error memories, the CUDA graphs and the averagers' buffers."""
+        if len(self._graphs) and device.type == "cuda":
+            torch.cuda.synchronize(device)  # once: no graph may be replaying when it is destroyed
+        self.error_dict.clear()
+        self.shard_error_dict.clear()
+        self._graphs.clear()
+        self._averagers.clear()
 
     def _averager(self, fmt: str) -> QuantizedAverage:
         """The collective for ``fmt``; it keeps each bucket's send and receive buffers between steps."""
@@ -172,6 +243,7 @@ _DEFAULT_STATES: dict[int, QuantizedState] = {}
 
 
 def _resolve_state(state: object, hook: str) -> QuantizedState:
+    """``state``, or for None the default state of WORLD (no error feedback); a TypeError for anything else."""
     if isinstance(state, QuantizedState):
         return state
     if state is None:
@@ -187,24 +259,47 @@ def _resolve_state(state: object, hook: str) -> QuantizedState:
 
 
 def _quantized_average(fmt: str, state: QuantizedState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    # Callbacks name the group through the state, never hold it (see powersgd._compress_matrices).
-    group = state.process_group
-    resolved = resolve_group(group)  # for this call only: nothing here keeps it
-    world = resolved.size()
-    buffer = bucket.buffer()
-    if world == 1:
-        return completed_future(buffer)
-    averager = state._averager(fmt)
-    index, numel = bucket.index(), buffer.numel()
+    resolved = resolve_group(state.process_group)  # for this call only: nothing here keeps it
+    if resolved.size() == 1:
+        return completed_future(bucket.buffer())
     # A bucket out of order (static_graph's first iteration) gets buffers of its own and no error
     # memory: the index no longer names one bucket.
     in_order = state._follows(bucket)
+    by_reducer = _called_by_reducer(_caller_of_hook(depth=3))
+    if not (in_order and by_reducer and state.bf16_if_faster):
+        return _codes_average(fmt, state, resolved, bucket, in_order, by_reducer)
+    # DDP's reducer hands the buckets over in order: the wire of this pass was chosen at the end
+    # of the last (see dcomm.ddp._wire_choice), and this pass's end chooses the next one's.
+    if state._wire.wire(fmt) == "bf16":  # only here where no C++ hook takes bf16 passes
+        future = _bf16_average(state, resolved, bucket)
+    else:
+        future = _codes_average(fmt, state, resolved, bucket, in_order, by_reducer=True)
+    if bucket.is_last():
+        state._end_pass(fmt, bucket.buffer().device)
+    return future
+
+
+def _codes_average(
+    fmt: str,
+    state: QuantizedState,
+    resolved: dist.ProcessGroup,
+    bucket: dist.GradBucket,
+    in_order: bool,
+    by_reducer: bool,
+) -> torch.futures.Future[torch.Tensor]:
+    """The bucket averaged with the two-shot reduction of quantized codes."""
+    # Callbacks name the group through the state, never hold it (see powersgd._compress_matrices).
+    group = state.process_group
+    world = resolved.size()
+    buffer = bucket.buffer()
+    index, numel = bucket.index(), buffer.numel()
+    averager = state._averager(fmt)
     key = (fmt, index, numel, buffer.data_ptr())
     if in_order and buffer.is_cuda:
         # Bucket 0, the first of every backward pass, is the one the NCCL watchdog sees now and then.
         work = state._graphs.replay(key, averager._side_stream(buffer.device), watched=index == 0)
         if work is not None:
-            return _deferred(state, resolved, work, bucket, buffer)
+            return _deferred(state, resolved, work, bucket, buffer, by_reducer)
     error = shard_error = None
     if state.error_feedback and in_order:
         error = state._memory("error_dict", index, averager.padded_numel(numel, world), buffer.device)
@@ -221,12 +316,12 @@ def _quantized_average(fmt: str, state: QuantizedState, bucket: dist.GradBucket)
 
         work = state._graphs.capture(key, average, averager._side_stream(buffer.device))
         if work is not None:
-            return _deferred(state, resolved, work, bucket, buffer)
+            return _deferred(state, resolved, work, bucket, buffer, by_reducer)
     if bucket.is_last():  # buckets averaged by graphs before this one are waited for here
         wait_deferred(resolved)
     # Encoding runs here, on the hook's stream; the rest on the averager's side stream.
     pending = averager.begin(buffer, group, error=error, shard_error=shard_error, key=index if in_order else None)
-    state.bytes_sent += pending.bytes_sent
+    state._bytes += pending.bytes_sent
     return state._chain.run(pending.launch, lambda _: pending.result())
 
 
@@ -236,13 +331,33 @@ def _deferred(
     work: StreamWork,
     bucket: dist.GradBucket,
     buffer: torch.Tensor,
+    by_reducer: bool,
 ) -> torch.futures.Future[torch.Tensor]:
     """The future of a replayed average: waited for at DDP's last bucket, or now for a Python caller."""
-    state.bytes_sent += work.bytes_sent
-    if _called_by_reducer(_caller_of_hook(depth=4)):
+    state._bytes += work.bytes_sent
+    if by_reducer:
         return defer_to_last_bucket(group, work, bucket, buffer)
     work.wait()
     return completed_future(buffer)
+
+
+def _bf16_average(
+    state: QuantizedState, group: dist.ProcessGroup, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """The bucket averaged as dcomm's ``bf16_compress_hook`` averages it (DDP's reducer called the hook)."""
+    buffer = bucket.buffer()
+    world = group.size()
+    state._bytes += 2 * (world - 1) * buffer.numel() * 2 // world  # a ring allreduce of bf16 values
+    return _compressed_average(torch.bfloat16, group, bucket, by_reducer=True)
+
+
+def native_pass_end(state: QuantizedState, fmt: str) -> Callable[[list[int], list[torch.Tensor]], None]:
+    """What the C++ bf16 hook of a quantized hook calls at the last bucket of each pass it averaged."""
+
+    def at_last(indices: list[int], averaged: list[torch.Tensor]) -> None:
+        state._end_pass(fmt, averaged[0].device)
+
+    return at_last
 
 
 def int8_compress_hook(state: QuantizedState | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -32,7 +32,7 @@ import dcomm.ddp._torch_private as private
 from dcomm.core import all_gather_single, start_all_gather
 from dcomm.ddp._zero.forward_waits import ForwardWaits
 from dcomm.ddp._zero.layout import partition
-from dcomm.ddp._zero.step_mode import Calibration, log_fixed_choice, logger
+from dcomm.ddp._zero.step_mode import log_fixed_choice, logger, step_calibration
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 Checks = Callable[[Any], None]
@@ -132,7 +132,7 @@ class Driver:
         if mode == "auto" and not self.per_bucket_overlaps():
             mode = "fused"  # nothing to time: the per-bucket path would only add optimizer calls
             log_fixed_choice(self.group, setup.interleaved)
-        self.calibration = Calibration(self.group) if mode == "auto" else None
+        self.calibration = step_calibration(self.group) if mode == "auto" else None
         self.mode = "per_bucket" if self.calibration is not None else mode  # this backward's path
         self.settled = False  # DDP has rebuilt its buckets: a plan checked since then stays valid
         # Set when DDP's reducer runs this hook in C++ (dcomm.ddp.native_hooks): switched on, the
@@ -264,7 +264,8 @@ class Driver:
         if not self.settled and private.has_rebuilt_buckets(self.ddp):
             self.settled = True
         if self.calibration is not None:
-            self.mode = self.calibration.next_mode(self.settled, device)
+            # Before DDP settled, the per-bucket path runs untimed.
+            self.mode = self.calibration.next_path(device) if self.settled else "per_bucket"
             if self.calibration.chosen is not None:
                 self.calibration = None
         # Parameters whose modules did not run in the forward: back before their owners step them again.

@@ -3,31 +3,29 @@
 ``"per_bucket"`` steps each bucket's parameters as soon as its gradient is averaged (the update
 overlaps the rest of backward); ``"fused"`` runs one ``optim.step()`` over all of this rank's
 parameters at the last bucket, then sends them out back to back. Both give the parameters of a
-non-overlapped ``ZeroRedundancyOptimizer``. ``"auto"`` lets :class:`Calibration` time a few
-iterations of each, in blocks per path, once DDP has settled its buckets, agree on one path on
-every rank, and log the choice once.
+non-overlapped ``ZeroRedundancyOptimizer``. ``"auto"`` times a few iterations of each, in blocks
+per path, once DDP has settled its buckets (:class:`dcomm.ddp._calibration.Calibration`), agrees
+on one path on every rank, and logs the choice once.
 
 Example::
 
-    >>> calibration = Calibration(group)  # doctest: +SKIP
-    >>> mode = calibration.next_mode(settled=True, device=torch.device("cpu"))  # doctest: +SKIP
+    >>> calibration = step_calibration(group)  # doctest: +SKIP
+    >>> mode = calibration.next_path(torch.device("cpu"))  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
-import torch
 import torch.distributed as dist
+
+from dcomm.ddp._calibration import Calibration
 
 StepMode = Literal["auto", "per_bucket", "fused"]
 STEP_MODES: tuple[str, ...] = ("auto", "per_bucket", "fused")
 PATHS: tuple[str, ...] = ("per_bucket", "fused")  # what "auto" chooses between
-BLOCKS: tuple[str, ...] = ("per_bucket", "fused", "fused", "per_bucket")  # a drift weighs on both paths alike
 PER_BUCKET_MARGIN = 0.98
 """The per-bucket path is chosen only where it is at least 2% faster: it makes one optimizer call
 per bucket, and its gain, where there is one, is larger than that."""
@@ -43,25 +41,31 @@ def check_step_mode(step_mode: object) -> str:
     return step_mode
 
 
-def agree(times: dict[str, float], group: dist.ProcessGroup, device: torch.device) -> str:
-    """The path with the smaller slowest-rank time; every rank of ``group`` gets the same answer.
+def choose_path(slowest: dict[str, float]) -> str:
+    """The per-bucket path where it is :data:`PER_BUCKET_MARGIN` faster (slowest-rank times), else fused."""
+    return "per_bucket" if slowest["per_bucket"] < PER_BUCKET_MARGIN * slowest["fused"] else "fused"
 
-    ``times`` maps each of :data:`PATHS` to this rank's time of one step. A MAX all-reduce makes
-    every rank compare the same two numbers, so they all choose the same path; the per-bucket
-    path must be faster by :data:`PER_BUCKET_MARGIN`.
+
+def log_choice(chosen: str, slowest: dict[str, float]) -> None:
+    logger.info(
+        "ZeRO overlap: step_mode='auto' chose %r (per step, slowest rank: per_bucket %.3f ms, fused %.3f ms)",
+        chosen,
+        slowest["per_bucket"] * 1e3,
+        slowest["fused"] * 1e3,
+    )
+
+
+def step_calibration(
+    group: dist.ProcessGroup, steps: int = 2, warmup: int = 1, clock: Callable[[], float] | None = None
+) -> Calibration:
+    """The calibration of ``step_mode="auto"``: per-bucket against fused, chosen and logged as above.
+
+    Blocks per path, not alternation: the per-bucket path leaves its parameter collectives to the
+    next forward and the fused one does its work at the end of backward, so an interval that starts
+    in one path and ends in the other charges one path's work to the other (alternating chose the
+    per-bucket path at 1.13x the fused one's step on 4x H100).
     """
-    local = torch.tensor([times[path] for path in PATHS], dtype=torch.float64, device=device)
-    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-    slowest = dict(zip(PATHS, local.tolist(), strict=True))
-    chosen = "per_bucket" if slowest["per_bucket"] < PER_BUCKET_MARGIN * slowest["fused"] else "fused"
-    if dist.get_rank(group) == 0:
-        logger.info(
-            "ZeRO overlap: step_mode='auto' chose %r (per step, slowest rank: per_bucket %.3f ms, fused %.3f ms)",
-            chosen,
-            slowest["per_bucket"] * 1e3,
-            slowest["fused"] * 1e3,
-        )
-    return chosen
+    return Calibration(group, ("per_bucket", "fused"), choose_path, log_choice, steps=steps, warmup=warmup, clock=clock)
 
 
 def log_fixed_choice(group: dist.ProcessGroup, interleaved: bool) -> None:
@@ -73,76 +77,3 @@ def log_fixed_choice(group: dist.ProcessGroup, interleaved: bool) -> None:
             "reduce_scatter=False updates every bucket at the last one too, with one optimizer call per bucket",
             builder,
         )
-
-
-class _Mark:
-    """A point in time: a CUDA event on the current stream, or the host clock."""
-
-    def __init__(self, device: torch.device, clock: Callable[[], float] | None) -> None:
-        self.event: Any = None
-        self.seconds = 0.0
-        if clock is None and device.type == "cuda":
-            self.event = torch.cuda.Event(enable_timing=True)
-            self.event.record(torch.cuda.current_stream(device))
-        else:
-            self.seconds = (clock or time.perf_counter)()
-
-    def until(self, later: _Mark) -> float:
-        if self.event is not None:
-            later.event.synchronize()
-            return self.event.elapsed_time(later.event) / 1e3
-        return later.seconds - self.seconds
-
-
-class Calibration:
-    """Chooses a step path by timing the backward passes right after DDP settled its buckets.
-
-    :meth:`next_mode` is called at the start of every backward pass. Once ``settled``, the next
-    ``4 * (warmup + steps + 1)`` backward passes run the paths in blocks of that length, in the
-    order of :data:`BLOCKS` (per-bucket, fused, fused, per-bucket: a drift over the calibration,
-    such as a warming clock or a growing allocator, weighs on both paths alike), and each interval
-    between the starts of two passes of one block is timed (a CUDA event on the current stream,
-    or ``clock``, default ``time.perf_counter``, off CUDA): a whole steady-state iteration of
-    that path. Blocks, not alternation: the per-bucket path leaves its parameter collectives to
-    the next forward and the fused one does its work at the end of backward, so an interval that
-    starts in one path and ends in the other charges one path's work to the other (alternating
-    chose the per-bucket path at 1.13x the fused one's step on 4x H100). The first ``warmup``
-    intervals of each block are dropped, the median of the rest of both blocks goes to
-    :func:`agree`, and the choice holds from then on. Before DDP settled, the per-bucket path
-    runs untimed. ``clock`` exists so that tests can choose the times.
-
-    Example::
-
-        >>> calibration = Calibration(dist.group.WORLD, steps=2)  # doctest: +SKIP
-    """
-
-    def __init__(
-        self, group: dist.ProcessGroup, steps: int = 2, warmup: int = 1, clock: Callable[[], float] | None = None
-    ) -> None:
-        self.group = group
-        self.clock = clock
-        self.block = warmup + steps + 1  # passes per block
-        self.schedule = [path for path in BLOCKS for _ in range(self.block)]
-        self.warmup = warmup
-        self.marks: list[_Mark] = []
-        self.chosen: str | None = None
-
-    def next_mode(self, settled: bool, device: torch.device) -> str:
-        """The path for the backward pass starting now."""
-        if self.chosen is not None:
-            return self.chosen
-        if not settled:
-            return "per_bucket"
-        self.marks.append(_Mark(device, self.clock))
-        done = len(self.marks) - 1  # timed backward passes, each ended by the mark after it
-        if done < len(self.schedule):
-            return self.schedule[done]
-        samples: dict[str, list[float]] = {path: [] for path in PATHS}
-        for number, path in enumerate(BLOCKS):
-            first = number * self.block  # an iteration of one path, start to start, within the block
-            intervals = [self.marks[i].until(self.marks[i + 1]) for i in range(first, first + self.block - 1)]
-            samples[path] += intervals[self.warmup :]
-        times = {path: statistics.median(values) for path, values in samples.items()}
-        self.chosen = agree(times, self.group, device)
-        self.marks.clear()
-        return self.chosen

@@ -50,9 +50,12 @@ struct Plan {
 
 // Whether a hook averages buckets itself (on) or passes them all to its Python hook (off), and
 // the stream that waits for every bucket at the last one (none: the current stream).
+// ``bytes_sent`` counts what the hook's allreduces sent while on, as a ring allreduce sends them
+// (``2 (world - 1) / world`` of each tensor), for states that report their bytes.
 struct Switch {
   std::atomic<bool> on{true};
   std::optional<c10::Stream> waiting;
+  std::atomic<int64_t> bytes_sent{0};
 };
 
 // Where one bucket's gradients go: ``runs`` of (bucket offset, send-buffer offset, elements) into
@@ -183,6 +186,8 @@ class AverageHook final : public SwitchedHook {
     } else if (plan.divisor != 1.0) {
       sent.div_(plan.divisor);
     }
+    const int64_t world = group_->getSize();
+    native_->bytes_sent.fetch_add(2 * (world - 1) * static_cast<int64_t>(sent.nbytes()) / world);
     std::vector<at::Tensor> tensors{sent};
     c10d::AllreduceOptions options;
     options.reduceOp = plan.op;
@@ -382,7 +387,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("stream_id"), py::arg("device_index"), py::arg("device_type"),
           "Wait for every bucket on this stream (torch.cuda.Stream's three numbers) instead of the current one.")
-      .def_property_readonly("on", [](const Switch& self) { return self.on.load(); });
+      .def_property_readonly("on", [](const Switch& self) { return self.on.load(); })
+      .def_property_readonly(
+          "bytes_sent", [](const Switch& self) { return self.bytes_sent.load(); },
+          "Bytes the hook's allreduces sent while on, counted as a ring allreduce sends them.");
   py::class_<ScatterSwitch, Switch, std::shared_ptr<ScatterSwitch>>(m, "ScatterSwitch")
       .def(
           "set_layout",

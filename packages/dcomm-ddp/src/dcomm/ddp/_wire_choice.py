@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dcomm.core import resolve_group
 from dcomm.ddp._calibration import Calibration
 
 __all__ = ["SETTLE_PASSES", "WIRES", "WireChoice"]
@@ -78,7 +79,7 @@ class WireChoice:
             if self.passes >= SETTLE_PASSES:
                 if self.calibration is None:
                     self.calibration = Calibration(
-                        group or dist.group.WORLD,
+                        resolve_group(group),
                         ("bf16", fmt),
                         _bf16_if_faster(fmt),
                         _log_choice(fmt),

@@ -32,6 +32,7 @@ EXPECTED_ROWS = {
         "compression/int8 vs bf16",
         "compression/fp8 vs bf16",
         "compression/int8 codes vs bf16",
+        "compression/int8 vs torch uint8",
         "compression/int8 graphs",
         "compression/powersgd",
     },

@@ -1,17 +1,18 @@
 """Gradient compression beyond fp16/bf16 for DDP: PowerSGD (dcomm's and torch's), int8 and fp8.
 
 PowerSGD runs at rank 4 and starts compressing at step 2 (torch's minimum with error feedback),
-inside the warm-up. int8/fp8 (dcomm only: torch has no such hook) are compared with DDP's
-built-in allreduce and with dcomm's bf16 hook, and report the bytes each rank sent and the wire
-they chose (``bf16_if_faster``: bf16 where it is faster); ``dcomm int8 codes`` keeps the codes
-whatever the link (``bf16_if_faster=False``), and ``dcomm int8 eager`` also runs its kernels one
-by one (``cuda_graphs=False``), against which the graph replays are timed.
+inside the warm-up. int8/fp8 are compared with DDP's built-in allreduce, with dcomm's bf16 hook
+and, int8, with torch's nearest hook (``quantization_pertensor_hook``: uint8 codes, each rank's
+whole bucket all-gathered), and report the bytes each rank sent and the wire they chose
+(``bf16_if_faster``: bf16 where it is faster); ``dcomm int8 codes`` keeps the codes whatever the
+link (``bf16_if_faster=False``), and ``dcomm int8 eager`` also runs its kernels one by one
+(``cuda_graphs=False``), against which the graph replays are timed.
 
 Example::
 
     >>> case = compression_case(ctx)  # doctest: +SKIP
     >>> sorted(case.variants)  # doctest: +SKIP
-    ['builtin', 'dcomm bf16', 'dcomm fp8', 'dcomm int8', 'dcomm int8 eager', 'dcomm powersgd', 'torch powersgd']
+    ['builtin', 'dcomm bf16', 'dcomm fp8', 'dcomm int8', 'dcomm int8 codes', 'dcomm int8 eager', ...]
 """
 
 from __future__ import annotations
@@ -57,6 +58,15 @@ def build_quantized(ctx: Context, fmt: str, cuda_graphs: bool = True, bf16_if_fa
     return Variant(variant.step, details=lambda: {"bytes sent": state.bytes_sent, "wire": state.wire or fmt})
 
 
+def build_torch_uint8(ctx: Context) -> Variant:
+    """DDP + torch's ``quantization_pertensor_hook`` (uint8 codes, all-gathered whole): torch's nearest to int8."""
+    from torch.distributed.algorithms.ddp_comm_hooks.quantization_hooks import quantization_pertensor_hook
+
+    ddp = ctx.ddp(ctx.model())
+    ddp.register_comm_hook(None, quantization_pertensor_hook)
+    return sgd_variant(ctx, ddp)
+
+
 def compression_case(ctx: Context) -> Case:
     variants = {
         "builtin": lambda: build_ddp(ctx, None),
@@ -65,12 +75,15 @@ def compression_case(ctx: Context) -> Case:
         "dcomm fp8": lambda: build_quantized(ctx, "fp8"),
         "dcomm int8 codes": lambda: build_quantized(ctx, "int8", bf16_if_faster=False),
         "dcomm int8 eager": lambda: build_quantized(ctx, "int8", cuda_graphs=False, bf16_if_faster=False),
+        "torch uint8": lambda: build_torch_uint8(ctx),
     }
     pairs = []
     for fmt in ("int8", "fp8"):
         pairs.append(Pair(f"compression/{fmt}", f"dcomm {fmt}", "builtin", "dcomm/reference"))
         pairs.append(Pair(f"compression/{fmt} vs bf16", f"dcomm {fmt}", "dcomm bf16", "dcomm/reference"))
     pairs.append(Pair("compression/int8 codes vs bf16", "dcomm int8 codes", "dcomm bf16", "dcomm/reference"))
+    # torch's nearest hook: per-tensor uint8 codes, every rank's whole bucket all-gathered.
+    pairs.append(Pair("compression/int8 vs torch uint8", "dcomm int8", "torch uint8", "dcomm/torch"))
     # The CUDA-graph replays against the same hook running its kernels one by one (the same path on gloo).
     pairs.append(Pair("compression/int8 graphs", "dcomm int8 codes", "dcomm int8 eager", "dcomm/reference"))
     # Warm-up past PowerSGD's start, the int8/fp8 CUDA-graph captures (DDP rebuilds its buckets

@@ -170,6 +170,12 @@ def test_bf16_where_faster_follows_the_schedule_and_hands_over(world: int) -> No
 
 
 @pytest.mark.timeout(600)
+def test_bf16_where_faster_without_the_cpp_hooks() -> None:
+    # The bf16 passes then run dcomm's Python bf16 average, from the same hook call.
+    run_ranks(_choice, 2, timeout=TIMEOUT, env={"DCOMM_NATIVE_HOOKS": "0"})
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_bf16_where_faster_on_nccl() -> None:
     # The quantized passes replay CUDA graphs here; choosing bf16 frees them.

@@ -9,8 +9,6 @@ once chosen, for good.
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -18,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dcomm.ddp import QuantizedState, bf16_compress_hook, fp8_compress_hook, int8_compress_hook
 from dcomm.ddp._wire_choice import CALIBRATION_STEPS, SETTLE_PASSES
 from dcomm.ddp.native_hooks import native_hooks_available
-from dcomm_testing import flat_parameters, rank_device, run_ranks, seeded_mlp, seeded_normal
+from dcomm_testing import captured_log, flat_parameters, rank_device, run_ranks, seeded_mlp, seeded_normal
 
 TIMEOUT = 240.0
 HOOKS = {"int8": int8_compress_hook, "fp8": fp8_compress_hook}
@@ -26,15 +24,6 @@ BUCKET_MB = 0.002  # several buckets
 CALIBRATION = 4 * (CALIBRATION_STEPS + 2)  # 4 blocks: one dropped, the timed ones, one more to end the block
 STEPS = SETTLE_PASSES + CALIBRATION + 4
 LOGGER = "dcomm.ddp.quantized_hooks"
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def scheduled_wire(fmt: str, chosen: str, number: int) -> str:
@@ -103,9 +92,7 @@ def _train_with_clock(rank: int, fmt: str, durations: dict[str, float], chosen: 
 
 
 def _choice(rank: int, world: int) -> None:
-    records = _Records()
-    logging.getLogger(LOGGER).addHandler(records)
-    logging.getLogger(LOGGER).setLevel(logging.INFO)
+    records = captured_log(LOGGER)
     native = native_hooks_available()
     for fmt in HOOKS:
         # The last rank finds the quantized wire slow: its slowest time decides for every rank.

@@ -10,7 +10,6 @@ is asserted.
 from __future__ import annotations
 
 import itertools
-import logging
 
 import pytest
 import torch
@@ -20,28 +19,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dcomm.ddp import allreduce_hook, hook_with_zero_step, hook_with_zero_step_interleaved, step_mode_of
 from dcomm.ddp._zero.step_mode import PATHS, step_calibration
-from dcomm_testing import flat_parameters, run_ranks, seeded_mlp, seeded_normal
+from dcomm_testing import captured_log, flat_parameters, run_ranks, seeded_mlp, seeded_normal
 
 BUCKET_MB = 0.001  # several buckets once DDP settles its layout
 RS_TOL = {"rtol": 1e-5, "atol": 1e-6}
 LOGGER = "dcomm.ddp.zero_overlap"
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def _capture() -> _Records:
-    records = _Records()
-    logger = logging.getLogger(LOGGER)
-    logger.addHandler(records)
-    logger.setLevel(logging.INFO)
-    return records
 
 
 def _all_ranks(value: object) -> list[object]:
@@ -55,7 +37,7 @@ def _all_ranks(value: object) -> list[object]:
 
 def _agreement(rank: int, world: int) -> list[str]:
     """Ranks that disagree locally still choose one path: the one with the smaller slowest time."""
-    records = _capture()
+    records = captured_log(LOGGER)
     chosen = []
     # Case 1: only the last rank finds per_bucket slow (10 s); it is the slowest, so fused wins
     # everywhere although ranks 0..world-2 time per_bucket faster. Case 2: the reverse.
@@ -115,7 +97,7 @@ def _batch(rank: int, step: int) -> torch.Tensor:
 
 
 def _auto(rank: int, world: int) -> list[str]:
-    records = _capture()
+    records = captured_log(LOGGER)
     chosen = []
     optims = {"adam": (torch.optim.Adam, {"lr": 0.01}), "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})}
     builders = (hook_with_zero_step, hook_with_zero_step_interleaved)

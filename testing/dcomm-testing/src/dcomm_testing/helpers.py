@@ -9,6 +9,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -18,8 +19,10 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 __all__ = [
+    "LogMessages",
     "assert_close",
     "assert_updates_close",
+    "captured_log",
     "cpu_record_stream_is_noop",
     "device_synchronize_forbidden",
     "rank_groups",
@@ -315,3 +318,31 @@ class BucketStub:
         if self._buffer is None:
             raise ValueError("buffer: this BucketStub was built without one; pass BucketStub(..., buffer=tensor)")
         return self._buffer
+
+
+class LogMessages(logging.Handler):
+    """The messages a logger emitted at INFO and above, in order (``messages``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def captured_log(name: str) -> LogMessages:
+    """Collect logger ``name``'s INFO messages from now on, in a rank process (where pytest's caplog is not).
+
+    Example::
+
+        >>> log = captured_log("dcomm.ddp.zero_overlap")
+        >>> logging.getLogger("dcomm.ddp.zero_overlap").info("chose %r", "fused")
+        >>> log.messages
+        ["chose 'fused'"]
+    """
+    handler = LogMessages()
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    return handler

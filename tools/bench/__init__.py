@@ -9,8 +9,9 @@ Run from the repository root under torchrun, one rank per GPU (NCCL) or CPU proc
     torchrun --standalone --nproc-per-node 2 -m tools.bench --size small --quick   # gloo, CPU
 
 Every training case (``ddp``, ``post-local-sgd``, ``zero``, ``fsdp``, ``fully_shard``) runs on
-every workload (``mlp-wide``, ``mlp-deep``, ``transformer``, ``llama``, ``cnn``; see
-:mod:`tools.bench.workloads`; ``llama``, with its tied LM head, is the one no code was tuned on)
+every workload (``mlp-wide``, ``mlp-deep``, ``transformer``, ``gpt-deep``, ``llama``, ``cnn``; see
+:mod:`tools.bench.workloads`; ``llama``, with its tied LM head, and ``gpt-deep``, 581 tensors, are
+the ones no code was tuned on)
 and precision (``fp32``, ``tf32``, ``bf16-autocast``); ``averaging`` averages each workload's
 parameters; ``diloco`` trains each workload (fp32) with dcomm's ``DiLoCoOptimizer``, torchft's
 ``DiLoCo`` (where torchft imports) and DDP, reporting bytes per step and the loss too;

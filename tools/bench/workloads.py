@@ -362,6 +362,13 @@ WORKLOADS: dict[str, dict[str, Workload]] = {
         ),
         "small": TransformerWorkload("transformer", vocab=256, tokens=32, width=64, layers=2, heads=4, batch=4),
     },
+    "gpt-deep": {
+        # 48 narrow layers, d_model 384: 92M parameters in 581 tensors, 16 x 256 tokens. Hundreds of
+        # small tensors per bucket: what per-tensor host work costs (held out, like the llama).
+        "large": TransformerWorkload("gpt-deep", vocab=8192, tokens=256, width=384, layers=48, heads=6, batch=16),
+        "large-slow": TransformerWorkload("gpt-deep", vocab=4096, tokens=256, width=256, layers=48, heads=4, batch=16),
+        "small": TransformerWorkload("gpt-deep", vocab=256, tokens=16, width=32, layers=12, heads=4, batch=4),
+    },
     "llama": {
         # 12 layers, d_model 1024, SwiGLU 2816, 32000 tokens tied: 187M parameters in 86 tensors, 8 x 512 tokens.
         "large": LlamaWorkload("llama", vocab=32000, tokens=512, width=1024, layers=12, heads=16, hidden=2816, batch=8),

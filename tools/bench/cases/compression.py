@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from dcomm.ddp._wire_choice import SETTLE_PASSES
+from dcomm.ddp._wire_choice import CALIBRATION_STEPS, SETTLE_PASSES
 from tools.bench.ab import Case, Pair, Variant
 from tools.bench.cases.common import Context, add_versions, sgd_variant
 from tools.bench.cases.ddp import build_ddp
@@ -29,7 +29,8 @@ __all__ = ["POWERSGD_RANK", "compression_case"]
 
 POWERSGD_RANK = 4
 START_POWERSGD_ITER = 2
-WARMUP_STEPS = SETTLE_PASSES + 4 * 4 + 2  # the int8/fp8 hooks' wire is chosen at the 22nd backward pass
+# Past the int8/fp8 hooks' choice of wire (settling, then four timed blocks) and two steps more.
+WARMUP_STEPS = SETTLE_PASSES + 4 * (CALIBRATION_STEPS + 2) + 2
 
 
 def build_powersgd(ctx: Context, impl: str) -> Variant:

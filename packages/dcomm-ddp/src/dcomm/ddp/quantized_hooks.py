@@ -28,7 +28,7 @@ as they were there. ``state.bytes_sent`` counts the bytes this rank has sent.
 Where the codes do not pay (a link as fast as NVLink, where a bf16 allreduce of the bucket takes
 no longer than the two quantized shots and the quantization kernels come on top), the hook sends
 bf16 instead: once DDP has settled its buckets, it times a few backward passes of each
-(:mod:`dcomm.ddp._wire_choice`), keeps bf16 only where its slowest rank is faster, logs the choice
+(:mod:`dcomm.ddp._wire_choice`), keeps the codes only where their slowest rank is at least 2% faster, logs the choice
 once, and from then on averages as dcomm's ``bf16_compress_hook`` does (in C++ where the C++ hooks
 are built), without error memories. ``QuantizedState(..., bf16_if_faster=False)`` keeps the codes
 whatever the link; two runs then also send the same wire at every step.

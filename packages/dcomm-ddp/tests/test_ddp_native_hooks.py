@@ -216,8 +216,8 @@ def test_a_build_killed_half_way_does_not_hang_the_next_run() -> None:
     # torch's builder waits for as long as a lock file exists in the build directory; one left by
     # a killed build hung every later run (the process below would never end).
     assert native_hooks.native_hooks_available()  # built (or cached) here first
-    build_directories = [p for p in Path(_build_root()).glob("dcomm_ddp_native_*") if (p / f"{p.name}.so").exists()]
-    directory = max(build_directories, key=lambda p: p.stat().st_mtime)
+    directory = Path(_build_root()) / native_hooks.build_name()  # this environment's, not another's
+    assert (directory / f"{directory.name}.so").exists()
     try:
         done = subprocess.run(
             [sys.executable, "-c", _LOAD_WITH_A_STALE_LOCK, str(directory)],

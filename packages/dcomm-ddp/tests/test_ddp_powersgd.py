@@ -238,6 +238,45 @@ def test_start_at_zero_and_one(world: int) -> None:
     run_ranks(_start_at_zero_and_one, world, timeout=TIMEOUT)
 
 
+class _WithUnused(nn.Module):
+    """make_model() and a layer that never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_model()
+        self.unused = nn.Linear(3, 24, device=rank_device())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _unused_parameters(rank: int, world: int) -> None:
+    # With find_unused_parameters=True DDP's reducer allreduces which parameters were used right
+    # after the last bucket's hook; on gloo the collectives the hooks launch from callbacks used
+    # to come after it on one rank and before it on another (a hang, or a peer's reset).
+    for hook in (powerSGD_hook, batched_powerSGD_hook):
+        torch.manual_seed(0)
+        model = _WithUnused()
+        unused = [p.detach().clone() for p in model.unused.parameters()]
+        ddp = DDP(model, bucket_cap_mb=0.001, find_unused_parameters=True)
+        ddp.register_comm_hook(PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=1), hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(STEPS):
+            opt.zero_grad()
+            ddp(batch(step)).square().sum().backward()
+            opt.step()
+        params = [p.detach().clone() for p in model.body.parameters()]
+        assert all(torch.isfinite(p).all() for p in params), hook.__name__
+        assert_same_on_ranks(params, hook.__name__)
+        assert all(torch.equal(a, b) for a, b in zip(model.unused.parameters(), unused, strict=True))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_unused_parameters_on_gloo(world: int) -> None:
+    run_ranks(_unused_parameters, world, timeout=TIMEOUT)
+
+
 def test_seed_stream_matches_numpy() -> None:
     for seed in (0, 1, 12345, 2**32 - 1):
         ours, theirs = SeedStream(seed), np.random.RandomState(seed)

@@ -37,16 +37,21 @@ def scheduled_wire(fmt: str, chosen: str, number: int) -> str:
 
 
 def reference_hook(fmt: str, chosen: str):
-    """A Python hook that runs the schedule by hand with the quantized hook (choice off) and bf16."""
-    passes = [0]
+    """A Python hook that runs the schedule by hand with the quantized hook (choice off) and bf16.
+
+    A pass ends at its last bucket (static_graph's first iteration has none: not counted).
+    """
+    ended = [0]
     quantized = HOOKS[fmt]
 
     def hook(state, bucket):  # unannotated: DDP then skips its annotation checks
-        if bucket.index() == 0:
-            passes[0] += 1
-        if scheduled_wire(fmt, chosen, passes[0]) == "bf16":
-            return bf16_compress_hook(None, bucket)
-        return quantized(state, bucket)
+        if scheduled_wire(fmt, chosen, ended[0] + 1) == "bf16":
+            future = bf16_compress_hook(None, bucket)
+        else:
+            future = quantized(state, bucket)
+        if bucket.is_last():
+            ended[0] += 1
+        return future
 
     return hook
 
@@ -55,16 +60,35 @@ def batch(rank: int, step: int) -> torch.Tensor:
     return seeded_normal(100 * step + rank, (8, 16), scale=rank + 1, draw=torch.float32).to(rank_device())
 
 
-def _ddp(rank: int) -> DDP:
-    """A small MLP, the same on every rank, in DDP with several buckets."""
+class _WithUnused(torch.nn.Module):
+    """A small MLP and a layer that never runs (for ``find_unused_parameters=True``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.body = seeded_mlp(16, 32, 32, 4, device=device)
+        self.unused = torch.nn.Linear(4, 4, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _ddp(rank: int, unused: bool = False, **options) -> DDP:
+    """A small MLP, the same on every rank, in DDP with several buckets (``options``: DDP's)."""
     device = rank_device()
     ids = [device.index] if device.type == "cuda" else None
-    return DDP(seeded_mlp(16, 32, 32, 4, device=device), device_ids=ids, bucket_cap_mb=BUCKET_MB)
+    torch.manual_seed(0)
+    model = _WithUnused(device) if unused else seeded_mlp(16, 32, 32, 4, device=device)
+    return DDP(model, device_ids=ids, bucket_cap_mb=BUCKET_MB, **options)
 
 
-def _train_with_clock(rank: int, fmt: str, durations: dict[str, float], chosen: str):
-    """(model, ddp, state, optimizer) after STEPS steps, equal to the reference at every step."""
-    ddp, ref_ddp = _ddp(rank), _ddp(rank)
+def _train_with_clock(
+    rank: int, fmt: str, durations: dict[str, float], chosen: str, accumulate: bool = False, **options
+):
+    """(model, ddp, state, optimizer) after STEPS steps, equal to the reference at every step.
+
+    ``accumulate``: each step adds a backward under ``no_sync()`` first; ``options``: for DDP.
+    """
+    ddp, ref_ddp = _ddp(rank, **options), _ddp(rank, **options)
     model, reference = ddp.module, ref_ddp.module
     state = QuantizedState(None, error_feedback=True)
     now = [0.0]
@@ -80,6 +104,9 @@ def _train_with_clock(rank: int, fmt: str, durations: dict[str, float], chosen: 
         now[0] += durations[scheduled_wire(fmt, chosen, step + 1)]  # this pass takes that long on this rank
         for net, optim in ((ddp, opt), (ref_ddp, ref_opt)):
             optim.zero_grad()
+            if accumulate:
+                with net.no_sync():
+                    net(batch(rank, 1000 + step)).square().sum().backward()
             net(batch(rank, step)).square().sum().backward()
             optim.step()
         # Chosen at the end of this pass: the next one's wire, and the C++ hook on for bf16.
@@ -154,6 +181,27 @@ def _choice(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_bf16_where_faster_follows_the_schedule_and_hands_over(world: int) -> None:
     run_ranks(_choice, world, timeout=TIMEOUT)
+
+
+def _ddp_options(rank: int, world: int) -> None:
+    # Gradient accumulation (no_sync), a static graph (whose first iteration hands every bucket
+    # over at once, none last: not a pass), unused parameters, gradients as bucket views: the
+    # same schedule, the same parameters as the reference at every step.
+    cases = [
+        {"accumulate": True},
+        {"static_graph": True},
+        {"find_unused_parameters": True, "unused": True},
+        {"gradient_as_bucket_view": True},
+    ]
+    for options in cases:
+        for chosen, durations in (("bf16", {"bf16": 1.0, "int8": 2.0}), ("int8", {"bf16": 2.0, "int8": 1.0})):
+            _, _, state, _ = _train_with_clock(rank, "int8", durations, chosen, **options)
+            assert state.wire == chosen, (options, state.wire)
+
+
+@pytest.mark.timeout(600)
+def test_bf16_where_faster_with_ddp_options() -> None:
+    run_ranks(_ddp_options, 2, timeout=TIMEOUT)
 
 
 @pytest.mark.timeout(600)

@@ -19,10 +19,23 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["OrderedChain"]
+from dcomm.core import reduced_by_nccl
+
+__all__ = ["OrderedChain", "drains_here"]
 
 T = TypeVar("T")
+
+
+def drains_here(bucket: dist.GradBucket, group: dist.ProcessGroup) -> bool:
+    """Whether a hook must :meth:`OrderedChain.drain` at this bucket: DDP's last, off NCCL.
+
+    There DDP's reducer issues its own collectives on the group right after the hook returns
+    (with ``find_unused_parameters=True``, the allreduce of which parameters were used); gloo
+    matches collectives by order, so the chain's must all be issued first, on every rank alike.
+    """
+    return bucket.is_last() and not reduced_by_nccl(group, bucket.buffer())
 
 
 def _waited(fut: torch.futures.Future) -> torch.futures.Future:
@@ -52,7 +65,10 @@ class OrderedChain:
         self,
         first: Callable[[], torch.futures.Future],
         rest: Callable[[torch.futures.Future], T],
+        *,
+        drain: bool = False,
     ) -> torch.futures.Future[T]:
+        """Chain ``first`` then ``rest`` after the previous runs; ``drain``: then wait for them all."""
         tail = self._tail
         # Nothing pending: launch now, as a plain hook would; else after the previous chain.
         if tail is not None and not tail.done():
@@ -60,4 +76,18 @@ class OrderedChain:
         else:
             fut = first().then(rest)
         self._tail = fut
+        if drain:
+            self.drain()
         return fut
+
+    def drain(self) -> None:
+        """Wait (the host) until every chain run so far has completed, its collectives included.
+
+        A hook calls this where :func:`drains_here` says so, at DDP's last bucket on gloo.
+
+        Example::
+
+            >>> state._chain.drain()  # doctest: +SKIP
+        """
+        if self._tail is not None:
+            self._tail.wait()

@@ -15,7 +15,7 @@ driver once DDP has settled its buckets: it allreduces every bucket (or, with
 ``reduce_scatter=True``, reduce-scatters every shard) and calls the driver once, at the last bucket.
 
 The C++ hook is compiled on first use by torch's extension builder (about 40 s on 2 cores, then
-cached in ``TORCH_EXTENSIONS_DIR``, one build per torch and Python version; a lock left by a build
+cached in ``TORCH_EXTENSIONS_DIR``, one build per torch installation and Python version; a lock left by a build
 that was killed is removed after 3 minutes without progress instead of hanging every later run).
 It needs a C++ compiler and ninja (a dependency of dcomm-ddp); where it cannot be built, a warning
 says why, once, and the Python hooks run. Set ``DCOMM_NATIVE_HOOKS=0`` to keep the Python hooks.
@@ -124,21 +124,30 @@ QUIET_WARNING_S = 60.0
 """Waiting on a lock whose directory has not changed for this long warns once (a build takes about 40 s)."""
 
 
+def build_name() -> str:
+    """The C++ module's name, which is also its build directory's: one per source, torch and Python.
+
+    It binds torch's C++ classes and Python's ABI, so it hashes the source, the torch and Python
+    versions and where torch is installed: two environments with the same versions would otherwise
+    rebuild it in turn in one directory (each build links its own torch).
+    """
+    where = Path(torch.__file__).resolve().parent
+    version = f"{torch.__version__} {sys.version_info[0]}.{sys.version_info[1]} {where}".encode()
+    return f"dcomm_ddp_native_{hashlib.sha256(_SOURCE.read_bytes() + version).hexdigest()[:12]}"
+
+
 @functools.cache
 def _extension() -> Any | None:
     """The compiled C++ hook module, built on first use; None (with one warning) if it cannot be."""
     from torch.utils import cpp_extension
 
-    # One build per source, torch and Python version: the module binds torch's C++ classes and
-    # Python's ABI.
-    version = f"{torch.__version__} {sys.version_info[0]}.{sys.version_info[1]}".encode()
-    name = f"dcomm_ddp_native_{hashlib.sha256(_SOURCE.read_bytes() + version).hexdigest()[:12]}"
+    name = build_name()
     try:
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
         build_directory = Path(root) / name
         build_directory.mkdir(parents=True, exist_ok=True)
         if not (build_directory / f"{name}.so").exists():
-            logger.info("dcomm.ddp: building the C++ DDP hooks in %s (once per torch version, about 40 s)", root)
+            logger.info("dcomm.ddp: building the C++ DDP hooks in %s (once per torch installation, about 40 s)", root)
         clear_stale_lock(build_directory)
         with _ninja_on_path():
             return cpp_extension.load(

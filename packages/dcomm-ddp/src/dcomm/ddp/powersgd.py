@@ -44,7 +44,7 @@ import torch.distributed as dist
 from dcomm.core import allreduce_future, keep_until_stream_done, resolve_group
 from dcomm.core.validation import boolean, non_negative_int, non_negative_number, positive_int
 from dcomm.ddp._hook_state import ResumableHookState
-from dcomm.ddp._ordered_chain import OrderedChain
+from dcomm.ddp._ordered_chain import OrderedChain, drains_here
 from dcomm.ddp._seed_stream import SeedStream
 
 __all__ = ["PowerSGDState", "batched_powerSGD_hook", "powerSGD_hook"]
@@ -318,6 +318,7 @@ def _plain_average(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futur
     return state._chain.run(
         lambda: allreduce_future(buffer, resolve_group(state.process_group), predivide=world),
         lambda fut: fut.value(),
+        drain=drains_here(bucket, resolve_group(state.process_group)),
     )
 
 
@@ -463,7 +464,7 @@ def _compress_matrices(state: PowerSGDState, bucket: dist.GradBucket) -> torch.f
         state.maybe_increase_iter(bucket)
         return buffer
 
-    return state._chain.run(launch_rest, finish)
+    return state._chain.run(launch_rest, finish, drain=drains_here(bucket, resolve_group(state.process_group)))
 
 
 def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -565,7 +566,7 @@ def _compress_bucket(state: PowerSGDState, bucket: dist.GradBucket) -> torch.fut
         state.maybe_increase_iter(bucket)
         return buffer
 
-    return state._chain.run(launch_p, finish)
+    return state._chain.run(launch_p, finish, drain=drains_here(bucket, resolve_group(state.process_group)))
 
 
 def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -56,6 +56,7 @@ from dcomm.core.validation import boolean, even_int, non_negative_int, one_of
 from dcomm.ddp._backward_works import defer_to_last_bucket, wait_deferred
 from dcomm.ddp._captured_average import CapturedAverages, StreamWork
 from dcomm.ddp._hook_state import ResumableHookState
+from dcomm.ddp._ordered_chain import drains_here
 from dcomm.ddp._wire_choice import WIRES, WireChoice
 from dcomm.ddp.default_hooks import _called_by_reducer, _caller_of_hook, _compressed_average
 
@@ -322,7 +323,7 @@ def _codes_average(
     # Encoding runs here, on the hook's stream; the rest on the averager's side stream.
     pending = averager.begin(buffer, group, error=error, shard_error=shard_error, key=index if in_order else None)
     state._bytes += pending.bytes_sent
-    return state._chain.run(pending.launch, lambda _: pending.result())
+    return state._chain.run(pending.launch, lambda _: pending.result(), drain=drains_here(bucket, resolved))
 
 
 def _deferred(

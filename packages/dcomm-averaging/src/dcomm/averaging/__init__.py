@@ -12,6 +12,7 @@ Example::
 from dcomm.averaging.__about__ import __version__
 from dcomm.averaging.averagers import ModelAverager, PeriodicModelAverager
 from dcomm.averaging.diloco import DiLoCoOptimizer
+from dcomm.averaging.flatten import flatten_parameters
 from dcomm.averaging.hierarchical import HierarchicalModelAverager
 from dcomm.averaging.parameters import (
     DEFAULT_BUCKET_CAP_MB,
@@ -28,6 +29,7 @@ __all__ = [
     "PostLocalSGDOptimizer",
     "DiLoCoOptimizer",
     "average_parameters",
+    "flatten_parameters",
     "get_params_to_average",
     "average_parameters_or_parameter_groups",
     "DEFAULT_BUCKET_CAP_MB",

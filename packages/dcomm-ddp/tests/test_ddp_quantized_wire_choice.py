@@ -199,6 +199,41 @@ def _ddp_options(rank: int, world: int) -> None:
             assert state.wire == chosen, (options, state.wire)
 
 
+def _uneven_inputs(rank: int, world: int) -> None:
+    # Under Join, a rank that ran out of data shadows the others' passes through the hook (DDP
+    # calls it from Python with zero buckets): it must send in the wire the others send, and
+    # switch with them, or the collectives mismatch. The last rank has STEPS batches, the others
+    # fewer, so they shadow through the calibration and the switch to bf16.
+    from torch.distributed.algorithms.join import Join
+
+    steps = STEPS - 2 * (world - 1 - rank) * 8
+    ddp, ref_ddp = _ddp(rank), _ddp(rank)
+    state = QuantizedState(None, error_feedback=True)
+    now = [0.0]
+    state._wire.clock = lambda: now[0]
+    ddp.register_comm_hook(state, int8_compress_hook)
+    ref_ddp.register_comm_hook(
+        QuantizedState(None, error_feedback=True, bf16_if_faster=False), reference_hook("int8", "bf16")
+    )
+    optimizers = [torch.optim.SGD(net.parameters(), lr=0.02) for net in (ddp, ref_ddp)]
+    with Join([ddp, ref_ddp]):
+        for step in range(steps):
+            now[0] += {"bf16": 1.0, "int8": 2.0}[scheduled_wire("int8", "bf16", step + 1)]
+            for net, optim in zip((ddp, ref_ddp), optimizers, strict=True):
+                optim.zero_grad()
+                net(batch(rank, step)).square().sum().backward()
+                optim.step()
+    assert state.wire == "bf16", state.wire
+    ours, theirs = flat_parameters(ddp.module), flat_parameters(ref_ddp.module)
+    assert torch.equal(ours, theirs), (ours - theirs).abs().max()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 3])
+def test_bf16_where_faster_under_join_with_uneven_inputs(world: int) -> None:
+    run_ranks(_uneven_inputs, world, timeout=TIMEOUT)
+
+
 @pytest.mark.timeout(600)
 def test_bf16_where_faster_with_ddp_options() -> None:
     run_ranks(_ddp_options, 2, timeout=TIMEOUT)

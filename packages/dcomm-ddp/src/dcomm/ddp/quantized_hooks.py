@@ -46,6 +46,7 @@ Example::
 
 import logging
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -266,15 +267,17 @@ def _quantized_average(fmt: str, state: QuantizedState, bucket: dist.GradBucket)
     # A bucket out of order (static_graph's first iteration) gets buffers of its own and no error
     # memory: the index no longer names one bucket.
     in_order = state._follows(bucket)
-    by_reducer = _called_by_reducer(_caller_of_hook(depth=3))
-    if not (in_order and by_reducer and state.bf16_if_faster):
+    caller = _caller_of_hook(depth=3)
+    by_reducer = _called_by_reducer(caller)
+    if not (in_order and (by_reducer or _shadowed_by_join(caller)) and state.bf16_if_faster):
         return _codes_average(fmt, state, resolved, bucket, in_order, by_reducer)
-    # DDP's reducer hands the buckets over in order: the wire of this pass was chosen at the end
-    # of the last (see dcomm.ddp._wire_choice), and this pass's end chooses the next one's.
+    # DDP hands the buckets over in order (its reducer, or on a rank that ran out of data under
+    # Join, DDP's shadow of the others' pass): the wire of this pass was chosen at the end of the
+    # last (see dcomm.ddp._wire_choice), and this pass's end chooses the next one's.
     if state._wire.wire(fmt) == "bf16":  # only here where no C++ hook takes bf16 passes
-        future = _bf16_average(state, resolved, bucket)
+        future = _bf16_average(state, resolved, bucket, by_reducer)
     else:
-        future = _codes_average(fmt, state, resolved, bucket, in_order, by_reducer=True)
+        future = _codes_average(fmt, state, resolved, bucket, in_order, by_reducer)
     if bucket.is_last():
         state._end_pass(fmt, bucket.buffer().device)
     return future
@@ -343,13 +346,25 @@ def _deferred(
 
 
 def _bf16_average(
-    state: QuantizedState, group: dist.ProcessGroup, bucket: dist.GradBucket
+    state: QuantizedState, group: dist.ProcessGroup, bucket: dist.GradBucket, by_reducer: bool
 ) -> torch.futures.Future[torch.Tensor]:
-    """The bucket averaged as dcomm's ``bf16_compress_hook`` averages it (DDP's reducer called the hook)."""
+    """The bucket averaged as dcomm's ``bf16_compress_hook`` averages it."""
     buffer = bucket.buffer()
     world = group.size()
     state._bytes += 2 * (world - 1) * buffer.numel() * 2 // world  # a ring allreduce of bf16 values
-    return _compressed_average(torch.bfloat16, group, bucket, by_reducer=True)
+    return _compressed_average(torch.bfloat16, group, bucket, by_reducer)
+
+
+def _shadowed_by_join(caller: FrameType | None) -> bool:
+    """Whether DDP calls the hook from a rank that ran out of data under Join, shadowing the others' pass.
+
+    Such a rank must send in the wire the others send, so it counts and times its passes as they do.
+    """
+    return (
+        caller is not None
+        and caller.f_code.co_name == "_match_all_reduce_for_bwd_pass"
+        and str(caller.f_globals.get("__name__")) == "torch.nn.parallel.distributed"
+    )
 
 
 def native_pass_end(state: QuantizedState, fmt: str) -> Callable[[list[int], list[torch.Tensor]], None]:

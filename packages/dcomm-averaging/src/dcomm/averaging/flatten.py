@@ -22,13 +22,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dcomm.averaging.parameters import memory_order_view
+
 __all__ = ["flatten_parameters"]
-
-
-def _dense_order(param: torch.Tensor) -> bool:
-    """Whether ``param`` covers its elements exactly once with no gaps (contiguous, or a permutation of it)."""
-    order = sorted(range(param.dim()), key=lambda d: param.stride(d), reverse=True)
-    return param.is_contiguous() or param.permute(order).is_contiguous()
 
 
 def flatten_parameters(module: nn.Module) -> list[torch.Tensor]:
@@ -60,7 +56,7 @@ def flatten_parameters(module: nn.Module) -> list[torch.Tensor]:
                 f"module: a parameter of shape {tuple(param.shape)} is on the meta device; materialize the "
                 "model first (model.to_empty(device=...) and load its weights)"
             )
-        if not _dense_order(param):
+        if memory_order_view(param) is None:
             raise ValueError(
                 f"module: a parameter of shape {tuple(param.shape)} and strides {param.stride()} has gaps or "
                 "overlaps in memory; make it contiguous first (param.data = param.data.contiguous())"

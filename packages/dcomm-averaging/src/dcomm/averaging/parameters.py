@@ -80,20 +80,29 @@ class _Segment(NamedTuple):
         return self.flat.narrow(0, self.start, self.length)
 
 
-def _flat_view(param: torch.Tensor) -> torch.Tensor:
-    """A 1-D view of every element of ``param`` in memory order (no copy).
+def memory_order_view(param: torch.Tensor) -> torch.Tensor | None:
+    """A 1-D view of every element of ``param`` in memory order (no copy); None where it has gaps or overlaps.
 
     Contiguous tensors and any dense permutation of one (channels-last, transposed) qualify.
-    Averaging is elementwise, so memory order is as good as logical order as long as all ranks
-    lay the parameter out the same way, which they do for the same model.
     """
     data = param.detach()
     if data.is_contiguous():
         return data.view(-1)
     order = sorted(range(data.dim()), key=lambda d: data.stride(d), reverse=True)
     permuted = data.permute(order)
-    if permuted.is_contiguous():
-        return permuted.view(-1)
+    return permuted.view(-1) if permuted.is_contiguous() else None
+
+
+def _flat_view(param: torch.Tensor) -> torch.Tensor:
+    """:func:`memory_order_view`, raising where the layout has gaps or overlaps.
+
+    Averaging is elementwise, so memory order is as good as logical order as long as all ranks
+    lay the parameter out the same way, which they do for the same model.
+    """
+    flat = memory_order_view(param)
+    if flat is not None:
+        return flat
+    data = param.detach()
     raise ValueError(
         f"params: a parameter of shape {tuple(data.shape)} and strides {data.stride()} has gaps or "
         "overlaps in memory, so it cannot be averaged in place; make it contiguous first "

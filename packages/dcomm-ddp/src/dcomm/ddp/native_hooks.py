@@ -288,16 +288,17 @@ def _zero_driver(hook: object) -> Any | None:
     return driver if isinstance(driver, Driver) and driver.can_run_in_cpp() else None
 
 
-def _quantized_state(hook: object, state: object) -> Any | None:
-    """The state of an int8/fp8 hook that may switch to bf16 (see :mod:`dcomm.ddp._wire_choice`), else None."""
+def _quantized_state(hook: Callable[..., Any], state: object) -> tuple[Any, str] | None:
+    """(state, format) of an int8/fp8 hook that may switch to bf16 (see :mod:`dcomm.ddp._wire_choice`), else None."""
     from dcomm.ddp import quantized_hooks
 
-    if hook not in (quantized_hooks.int8_compress_hook, quantized_hooks.fp8_compress_hook):
+    fmt = quantized_hooks.HOOK_FORMATS.get(hook)
+    if fmt is None:
         return None
     if state is not None and not isinstance(state, quantized_hooks.QuantizedState):
         return None  # the hook raises on it
     resolved = quantized_hooks._resolve_state(state, hook.__name__)
-    return resolved if resolved.bf16_if_faster else None
+    return (resolved, fmt) if resolved.bf16_if_faster else None
 
 
 def _register_comm_hook(reducer: Any, state: object, comm_hook: Callable[..., Any]) -> None:
@@ -322,19 +323,19 @@ def _register_comm_hook(reducer: Any, state: object, comm_hook: Callable[..., An
         driver.native_switch = driver.register_in_cpp(extension, reducer, state, comm_hook)
         return
     if quantized is not None:
-        group = resolve_group(quantized.process_group)
+        from dcomm.ddp.quantized_hooks import native_pass_end
+
+        quantized_state, fmt = quantized
+        group = resolve_group(quantized_state.process_group)
         # The Python hook itself, not a Python caller of it: while the switch is off it gets every
         # bucket of a backward pass, so its futures may wait at the last bucket. Switched on, the
         # C++ hook calls back at its last bucket, where the next pass's wire is chosen.
-        from dcomm.ddp.quantized_hooks import int8_compress_hook, native_pass_end
-
-        fmt = "int8" if comm_hook is int8_compress_hook else "fp8"
         plan = _planner(group, torch.bfloat16)
         switch = extension.register_average_hook(
-            reducer, group, plan, state, comm_hook, native_pass_end(quantized, fmt)
+            reducer, group, plan, state, comm_hook, native_pass_end(quantized_state, fmt)
         )
-        switch.set(quantized.wire == "bf16")
-        quantized._wire.switches.append(switch)
+        switch.set(quantized_state.wire == "bf16")
+        quantized_state._wire.switches.append(switch)
         return
     group = resolve_group(state)  # type: ignore[arg-type]
     extension.register_average_hook(

@@ -313,12 +313,13 @@ def _plain_average(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futur
     from their callbacks. The closure names the group through the state, never holds it (see
     :func:`_compress_matrices`).
     """
-    buffer, world = bucket.buffer(), float(resolve_group(state.process_group).size())
+    resolved = resolve_group(state.process_group)  # for this call only
+    buffer, world = bucket.buffer(), float(resolved.size())
     state.maybe_increase_iter(bucket)
     return state._chain.run(
         lambda: allreduce_future(buffer, resolve_group(state.process_group), predivide=world),
         lambda fut: fut.value(),
-        drain=drains_here(bucket, resolve_group(state.process_group)),
+        drain=drains_here(bucket, resolved),
     )
 
 
@@ -402,7 +403,8 @@ def _compress_matrices(state: PowerSGDState, bucket: dist.GradBucket) -> torch.f
     # on a gloo worker thread, which must not drop the last reference to the group (it would
     # join itself).
     group = state.process_group
-    world = resolve_group(group).size()
+    resolved = resolve_group(group)  # for this call only: no callback names it
+    world = resolved.size()
     buffer, index = bucket.buffer(), bucket.index()
     gradients = bucket.gradients()
     state._check_layout(index, (buffer.numel(), tuple(tuple(g.shape) for g in gradients)))
@@ -464,7 +466,7 @@ def _compress_matrices(state: PowerSGDState, bucket: dist.GradBucket) -> torch.f
         state.maybe_increase_iter(bucket)
         return buffer
 
-    return state._chain.run(launch_rest, finish, drain=drains_here(bucket, resolve_group(state.process_group)))
+    return state._chain.run(launch_rest, finish, drain=drains_here(bucket, resolved))
 
 
 def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -523,7 +525,8 @@ def _compress_bucket(state: PowerSGDState, bucket: dist.GradBucket) -> torch.fut
     buffer, index = bucket.buffer(), bucket.index()
     numel = buffer.numel()
     group = state.process_group  # not held by the callbacks (see _compress_matrices)
-    world = resolve_group(group).size()
+    resolved = resolve_group(group)  # for this call only: no callback names it
+    world = resolved.size()
     side = math.ceil(math.sqrt(numel))
     # A square of side < r has at most ``side`` independent columns: more would make Q's columns
     # dependent (Gram-Schmidt divides 0 by 0) or give QR the wrong shapes.
@@ -566,7 +569,7 @@ def _compress_bucket(state: PowerSGDState, bucket: dist.GradBucket) -> torch.fut
         state.maybe_increase_iter(bucket)
         return buffer
 
-    return state._chain.run(launch_p, finish, drain=drains_here(bucket, resolve_group(state.process_group)))
+    return state._chain.run(launch_p, finish, drain=drains_here(bucket, resolved))
 
 
 def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -402,3 +402,7 @@ def fp8_compress_hook(state: QuantizedState | None, bucket: dist.GradBucket) -> 
         >>> ddp_model.register_comm_hook(QuantizedState(None), fp8_compress_hook)  # doctest: +SKIP
     """
     return _quantized_average("fp8", _resolve_state(state, "fp8_compress_hook"), bucket)
+
+
+# The format each hook sends, for the C++ registration (dcomm.ddp.native_hooks).
+HOOK_FORMATS: dict[Callable[..., Any], str] = {int8_compress_hook: "int8", fp8_compress_hook: "fp8"}

@@ -154,11 +154,16 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
+@dataclass(frozen=True)
 class RandomTokens:
-    """What both language models train on: random tokens, next-token cross-entropy."""
+    """What both language models share: their shape, and random tokens with next-token cross-entropy."""
 
+    name: str
     vocab: int
     tokens: int
+    width: int
+    layers: int
+    heads: int
     batch: int
 
     def make_batch(self, device: torch.device) -> Batch:
@@ -174,14 +179,6 @@ class RandomTokens:
 @dataclass(frozen=True)
 class TransformerWorkload(RandomTokens):
     """A GPT-shaped language model trained on random tokens with cross-entropy."""
-
-    name: str
-    vocab: int
-    tokens: int
-    width: int
-    layers: int
-    heads: int
-    batch: int
 
     unit_types: ClassVar[tuple[type[nn.Module], ...]] = (Block,)
 
@@ -251,16 +248,9 @@ class Llama(nn.Module):
 
 @dataclass(frozen=True)
 class LlamaWorkload(RandomTokens):
-    """A Llama-shaped language model trained on random tokens with cross-entropy."""
+    """A Llama-shaped language model trained on random tokens with cross-entropy; ``hidden``: SwiGLU's width."""
 
-    name: str
-    vocab: int
-    tokens: int
-    width: int
-    layers: int
-    heads: int
     hidden: int
-    batch: int
 
     unit_types: ClassVar[tuple[type[nn.Module], ...]] = (LlamaBlock,)
 

@@ -104,14 +104,10 @@ class WireChoice:
         self.passes = passes if chosen is not None else min(passes, SETTLE_PASSES - 1)
         self.set_switches(chosen == "bf16")
 
-    def set_switches(self, on: bool) -> bool:
-        """Switch the C++ bf16 hooks on or off; whether any changed."""
-        changed = False
+    def set_switches(self, on: bool) -> None:
+        """Switch the C++ bf16 hooks on or off."""
         for switch in self.switches:
-            if switch.on != on:
-                switch.set(on)
-                changed = True
-        return changed
+            switch.set(on)
 
     def native_bytes(self) -> int:
         """Bytes the C++ bf16 hooks have sent."""

@@ -113,7 +113,8 @@ def scenario_averaging_lean_mixed_dtypes(rank: int, world_size: int) -> None:
 def scenario_averaging_in_place_coalesced(rank: int, world_size: int) -> None:
     """NCCL: every parameter averaged in its own storage by one grouped launch, zero extra bytes.
 
-    With packing of small parameters off (with it on, at most ``PACK_MAX_BYTES`` per dtype). 150
+    With staging and packing of small parameters off (with packing on, at most ``PACK_MAX_BYTES`` per
+    dtype; staging: ``scenario_averaging_in_place_staged``). 150
     fp32 parameters (one grouped launch), bf16 ones (NCCL AVG on NCCL) and a
     channels-last one, against the float64 mean and torch's ``average_parameters``; then a
     flattened model (parameters carved back to back out of one buffer), which is one allreduce.
@@ -150,7 +151,9 @@ def scenario_averaging_in_place_coalesced(rank: int, world_size: int) -> None:
     params = build()
     pointers = [(p.data_ptr(), p.stride()) for p in params]
     calls: list[list[torch.Tensor]] = []
-    observed = impl._Paths(on_in_place=lambda tensors: calls.append(list(tensors)), pack_max_bytes=0)
+    observed = impl._Paths(
+        on_in_place=lambda tensors: calls.append(list(tensors)), pack_max_bytes=0, stage_below_bytes=0
+    )
 
     def averaged_without_memory(params: list[torch.nn.Parameter], paths: Any = observed, bound: int = 0) -> None:
         if on_nccl:
@@ -162,9 +165,9 @@ def scenario_averaging_in_place_coalesced(rank: int, world_size: int) -> None:
             extra = torch.cuda.max_memory_allocated() - base
             assert extra <= bound, f"the in-place path allocated {extra} bytes of device memory (bound {bound})"
 
-    # The default: the small parameters packed, within PACK_MAX_BYTES per dtype, same averages.
+    # Small parameters packed, within PACK_MAX_BYTES per dtype (without Triton), same averages.
     packed = build()
-    averaged_without_memory(packed, impl._Paths(), 2 * impl.PACK_MAX_BYTES)
+    averaged_without_memory(packed, impl._Paths(stage_below_bytes=0), 2 * impl.PACK_MAX_BYTES)
     averaged_without_memory(params)
     assert [len(c) for c in calls] == ([151, 3] if on_nccl else []), "fp32 + bf16 in place on NCCL only"
     # The flattened model: one buffer, one allreduce of all of it, no extra memory.
@@ -189,6 +192,74 @@ def scenario_averaging_in_place_coalesced(rank: int, world_size: int) -> None:
         torch.testing.assert_close(p.detach().double().cpu(), want, rtol=tol, atol=tol)
         torch.testing.assert_close(q.detach().double().cpu(), want, rtol=tol, atol=tol)
     _assert_same([p.detach() for p in params if p.dtype == torch.float32], [p.detach() for p in theirs], "vs torch")
+
+
+@scenario(min_world_size=2)
+def scenario_averaging_in_place_staged(rank: int, world_size: int) -> None:
+    """NCCL: parameters under 4 MiB streamed through the staging cap by the Triton table, the rest in place.
+
+    A model-like mix per dtype (fp32, bf16, fp16): hundreds of small and medium tensors, two
+    above ``STAGE_BELOW_BYTES`` (averaged in their own storage), a channels-last one and views of
+    one buffer at odd offsets (unaligned rows). Against the float64 mean, with the parameters'
+    storage kept, at the default cap (one buffer) and at a cap that forces many runs through two
+    alternating halves, the peak extra memory within the cap (plus 1 MiB: the table itself). Under
+    gloo the same calls take the bucket path and must give the same answers.
+    """
+    from dcomm.averaging import parameters as impl
+    from dcomm.core import tensor_table
+
+    on_nccl = dist.get_backend() == "nccl"
+    big = impl.STAGE_BELOW_BYTES // 4 + 1000  # fp32 elements: just above the threshold
+    shapes = [(3 + i % 11, 5 + (7 * i) % 13) for i in range(300)] + [(2048, 129), (big,), (5,), (big + 3,)]
+
+    def values(r: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * r + len(str(dtype)))
+        return [torch.randn(s, generator=g, dtype=torch.float64).to(dtype).double() for s in shapes]
+
+    shared = torch.zeros(40_003, device=device())  # views at odd offsets, apart: not merged, not aligned
+    offsets = [(1, 9_001), (10_003, 30_000)]
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
+        mine = values(rank, dtype)
+        params = [torch.nn.Parameter(v.to(dtype).to(device())) for v in mine]
+        conv = torch.randn(4, 6, 5, 5, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+        params.append(torch.nn.Parameter(conv.to(dtype).to(device()).contiguous(memory_format=torch.channels_last)))
+        if dtype == torch.float32:
+            for start, stop in offsets:
+                shared[start:stop] = torch.arange(start, stop, dtype=torch.float32) * (rank + 1)
+            params += [torch.nn.Parameter(shared[start:stop]) for start, stop in offsets]
+        everyone = [values(r, dtype) for r in range(world_size)]
+        expected = [torch.stack([v[i] for v in everyone]).mean(0) for i in range(len(shapes))]
+        convs = [
+            torch.randn(4, 6, 5, 5, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+            for r in range(world_size)
+        ]
+        expected.append(torch.stack([c.to(dtype).double() for c in convs]).mean(0))
+        if dtype == torch.float32:
+            mean_rank = sum(r + 1 for r in range(world_size)) / world_size
+            expected += [torch.arange(a, b, dtype=torch.float64) * mean_rank for a, b in offsets]
+        starts = [v.to(dtype) for v in mine] + [conv.to(dtype)]
+        starts += [torch.arange(a, b, dtype=torch.float32) * (rank + 1) for a, b in offsets if dtype == torch.float32]
+        for cap_mb in (impl.DEFAULT_BUCKET_CAP_MB, 0.125):
+            with torch.no_grad():
+                for param, start in zip(params, starts, strict=True):
+                    param.copy_(start)
+            pointers = [(p.data_ptr(), p.stride()) for p in params]
+            if on_nccl:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            dcomm_averaging.average_parameters(params, None, bucket_cap_mb=cap_mb)
+            if on_nccl:
+                extra = torch.cuda.max_memory_allocated() - base
+                assert extra <= cap_mb * 2**20 + 2**20, f"{extra} bytes of staging over a {cap_mb} MiB cap"
+            assert [(p.data_ptr(), p.stride()) for p in params] == pointers, "a parameter moved"
+            for i, (p, want) in enumerate(zip(params, expected, strict=True)):
+                got = p.detach().double().cpu()
+                torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=f"{dtype} cap {cap_mb}: parameter {i}")
+    if on_nccl and tensor_table.triton is not None:
+        # The staged path was taken: the recipe of the last call holds a table.
+        (_, recipe), *_ = reversed(impl._RECIPES.values())
+        assert any(table is not None for d in recipe.devices for table in d.tables), "nothing was staged"
 
 
 @scenario(min_world_size=2, world_size_multiple=2)

@@ -131,6 +131,7 @@ def _choice(rank: int, world: int) -> None:
         assert len(state._graphs) == 0, "nor CUDA graphs"
         switches = state._wire.switches
         assert [s.on for s in switches] == ([True] if native else []), "the C++ bf16 hook took over"
+        assert [s.hand_over for s in switches] == ([False] if native else []), "still calling back after the choice"
         # Bytes: one more step sends each bucket as a ring allreduce of bf16 values.
         before = state.bytes_sent
         opt.zero_grad()

@@ -105,9 +105,14 @@ class WireChoice:
         self.set_switches(chosen == "bf16")
 
     def set_switches(self, on: bool) -> None:
-        """Switch the C++ bf16 hooks on or off."""
+        """Switch the C++ bf16 hooks on or off; once the choice is made they stop calling back.
+
+        After the choice a pass's end has nothing left to count or decide, so the C++ hook runs as
+        dcomm's ``bf16_compress_hook`` does, with no trip to Python at the last bucket.
+        """
         for switch in self.switches:
             switch.set(on)
+            switch.set_hand_over(self.chosen is None)
 
     def native_bytes(self) -> int:
         """Bytes the C++ bf16 hooks have sent."""

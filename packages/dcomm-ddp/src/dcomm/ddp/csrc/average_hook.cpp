@@ -54,6 +54,7 @@ struct Plan {
 // (``2 (world - 1) / world`` of each tensor), for states that report their bytes.
 struct Switch {
   std::atomic<bool> on{true};
+  std::atomic<bool> hand_over{true};  // whether the last bucket calls Python (when there is a callable)
   std::optional<c10::Stream> waiting;
   std::atomic<int64_t> bytes_sent{0};
 };
@@ -158,7 +159,7 @@ class AverageHook final : public SwitchedHook {
     }
     at::Tensor sent;
     auto future = average(bucket, buffer, sent);
-    if (!at_last_.is_none()) {
+    if (!at_last_.is_none() && native_->hand_over.load()) {
       if (bucket.getIndex() == 0) {
         launched_.clear();  // what an interrupted backward pass left
       }
@@ -380,6 +381,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Switch, std::shared_ptr<Switch>>(m, "Switch")
       .def("set", [](Switch& self, bool on) { self.on.store(on); }, py::arg("on"))
       .def(
+          "set_hand_over", [](Switch& self, bool on) { self.hand_over.store(on); }, py::arg("on"),
+          "Whether the last bucket of a pass calls the Python callable (switch off between passes).")
+      .def(
           "wait_on",
           [](Switch& self, int64_t stream_id, int64_t device_index, int64_t device_type) {
             self.waiting = c10::Stream::unpack3(stream_id, static_cast<c10::DeviceIndex>(device_index),
@@ -388,6 +392,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("stream_id"), py::arg("device_index"), py::arg("device_type"),
           "Wait for every bucket on this stream (torch.cuda.Stream's three numbers) instead of the current one.")
       .def_property_readonly("on", [](const Switch& self) { return self.on.load(); })
+      .def_property_readonly("hand_over", [](const Switch& self) { return self.hand_over.load(); })
       .def_property_readonly(
           "bytes_sent", [](const Switch& self) { return self.bytes_sent.load(); },
           "Bytes the hook's allreduces sent while on, counted as a ring allreduce sends them.");

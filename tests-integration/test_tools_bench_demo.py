@@ -34,6 +34,7 @@ EXPECTED_ROWS = {
         "compression/int8 codes vs bf16",
         "compression/int8 vs torch uint8",
         "compression/int8 graphs",
+        "compression/floor",
         "compression/powersgd",
     },
     "post-local-sgd": {"post-local-sgd/periodic", "post-local-sgd/hierarchical"},

@@ -6,7 +6,8 @@ and, int8, with torch's nearest hook (``quantization_pertensor_hook``: uint8 cod
 whole bucket all-gathered), and report the bytes each rank sent and the wire they chose
 (``bf16_if_faster``: bf16 where it is faster); ``dcomm int8 codes`` keeps the codes whatever the
 link (``bf16_if_faster=False``), and ``dcomm int8 eager`` also runs its kernels one by one
-(``cuda_graphs=False``), against which the graph replays are timed.
+(``cuda_graphs=False``), against which the graph replays are timed. ``no communication`` hands
+every bucket back unaveraged: the floor under any compression's step.
 
 Example::
 
@@ -17,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from dcomm.ddp._wire_choice import CALIBRATION_STEPS, SETTLE_PASSES
@@ -68,6 +70,20 @@ def build_torch_uint8(ctx: Context) -> Variant:
     return sgd_variant(ctx, ddp)
 
 
+def no_communication_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Hand the bucket back unaveraged: what a DDP step costs with no gradient communication at all."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def build_no_communication(ctx: Context) -> Variant:
+    """DDP whose hook sends nothing: the floor under any compression's step (not a valid training run)."""
+    ddp = ctx.ddp(ctx.model())
+    ddp.register_comm_hook(None, no_communication_hook)
+    return sgd_variant(ctx, ddp)
+
+
 def compression_case(ctx: Context) -> Case:
     variants = {
         "builtin": lambda: build_ddp(ctx, None),
@@ -77,6 +93,7 @@ def compression_case(ctx: Context) -> Case:
         "dcomm int8 codes": lambda: build_quantized(ctx, "int8", bf16_if_faster=False),
         "dcomm int8 eager": lambda: build_quantized(ctx, "int8", cuda_graphs=False, bf16_if_faster=False),
         "torch uint8": lambda: build_torch_uint8(ctx),
+        "no communication": lambda: build_no_communication(ctx),
     }
     pairs = []
     for fmt in ("int8", "fp8"):
@@ -85,6 +102,8 @@ def compression_case(ctx: Context) -> Case:
     pairs.append(Pair("compression/int8 codes vs bf16", "dcomm int8 codes", "dcomm bf16", "dcomm/reference"))
     # torch's nearest hook: per-tensor uint8 codes, every rank's whole bucket all-gathered.
     pairs.append(Pair("compression/int8 vs torch uint8", "dcomm int8", "torch uint8", "dcomm/torch"))
+    # The floor: the step with nothing sent, against the built-in (no compression can go below it).
+    pairs.append(Pair("compression/floor", "no communication", "builtin", "dcomm/reference"))
     # The CUDA-graph replays against the same hook running its kernels one by one (the same path on gloo).
     pairs.append(Pair("compression/int8 graphs", "dcomm int8 codes", "dcomm int8 eager", "dcomm/reference"))
     # Warm-up past PowerSGD's start, the int8/fp8 CUDA-graph captures (DDP rebuilds its buckets

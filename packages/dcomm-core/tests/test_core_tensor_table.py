@@ -98,3 +98,38 @@ def _spans(table: TensorTable, tensors: list[torch.Tensor]) -> list[tuple[int, i
         spans.append((start, start + tensor.numel()))
         row += -(-tensor.numel() // BLOCK)
     return spans
+
+
+def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dcomm.core._triton import ENV_SWITCH, triton_enabled
+
+    assert triton_enabled()
+    for value in ("0", "off", " False "):
+        monkeypatch.setenv(ENV_SWITCH, value)
+        assert not triton_enabled()
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    assert triton_enabled()
+
+
+@needs_cuda
+def test_switch_off_turns_the_table_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    tensors = [torch.zeros(3, device="cuda"), torch.zeros(5, device="cuda")]
+    assert tensor_table.usable(tensors)
+    monkeypatch.setenv("DCOMM_TRITON", "0")
+    assert not tensor_table.usable(tensors)
+
+
+@needs_cuda
+def test_check_names_the_switch_when_the_kernel_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    tensors = [torch.arange(5.0, device="cuda"), torch.arange(3.0, device="cuda")]
+    table = TensorTable.build(tensors)
+    table.check(torch.float32)  # builds and runs: nothing changes
+    assert torch.equal(tensors[0], torch.arange(5.0, device="cuda"))
+
+    class Broken:
+        def __getitem__(self, grid: object) -> object:
+            raise RuntimeError("no ptxas")
+
+    monkeypatch.setattr(tensor_table, "_copy_rows", Broken())
+    with pytest.raises(RuntimeError, match="DCOMM_TRITON=0 on every rank"):
+        table.check(torch.float32)

@@ -263,7 +263,9 @@ def _staged_ones(tensors: list[torch.Tensor], below_bytes: int, run_bytes: int) 
         return [], None
     if run_bytes < (tensor_table.BLOCK + 16) * members[0].element_size():
         return [], None
-    return staged, TensorTable.build(members)
+    table = TensorTable.build(members)
+    table.check(members[0].dtype)  # before any collective: a Triton that cannot build raises here
+    return staged, table
 
 
 def _average_in_place(

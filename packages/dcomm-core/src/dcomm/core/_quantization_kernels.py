@@ -22,6 +22,8 @@ import functools
 
 import torch
 
+from dcomm.core._triton import triton_enabled
+
 __all__ = ["average_rows_into", "dequantize_rows_into", "quantize_rows_into", "quantize_with_error_into", "usable"]
 
 _GROUP = 8  # blocks per program
@@ -160,7 +162,8 @@ def usable(tensor: torch.Tensor, fmt: str, block_size: int) -> bool:
     ``block_size`` must be a power of two of at least 4 (scales then start on a 4-byte boundary).
     """
     power_of_two = block_size >= 4 and block_size & (block_size - 1) == 0
-    return tensor.is_cuda and fmt in _FORMATS and tensor.dtype in _FLOATS and power_of_two and triton is not None
+    usable_here = tensor.is_cuda and fmt in _FORMATS and tensor.dtype in _FLOATS and power_of_two
+    return usable_here and triton is not None and triton_enabled()
 
 
 @functools.cache

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dcomm.core._triton import ENV_SWITCH, triton_enabled
+
 __all__ = ["BLOCK", "TensorTable", "usable"]
 
 BLOCK = 2048
@@ -76,7 +78,7 @@ if triton is not None:
 
 def usable(tensors: list[torch.Tensor]) -> bool:
     """Whether a :class:`TensorTable` can copy ``tensors``: contiguous CUDA tensors of one dtype, Triton present."""
-    if triton is None or not tensors:
+    if triton is None or not tensors or not triton_enabled():
         return False
     first = tensors[0]
     itemsize = first.element_size()
@@ -131,6 +133,22 @@ class TensorTable:
             numel=int(padded.sum()),
             aligned=bool((addresses % _ALIGN_BYTES == 0).all()),
         )
+
+    def check(self, flat_dtype: torch.dtype) -> None:
+        """Compile and run both copies once on the first row (a scratch copy: no tensor changes).
+
+        Raises ``RuntimeError`` naming the switch when Triton cannot build or launch them, before
+        the caller has started any collective.
+        """
+        scratch = torch.empty(self.ends[0] - self.starts[0], dtype=flat_dtype, device=self.table.device)
+        try:
+            self.pack(scratch, 0, 1)
+            self.unpack(scratch, 0, 1)  # writes back the values just read
+        except Exception as exc:
+            raise RuntimeError(
+                f"dcomm's Triton copy kernels failed to build or run ({type(exc).__name__}: {exc}); "
+                f"set {ENV_SWITCH}=0 on every rank to average without them"
+            ) from exc
 
     def runs(self, capacity: int) -> list[tuple[int, int]]:
         """``(first row, stop row)`` of consecutive runs spanning at most ``capacity`` flat elements each.

@@ -284,9 +284,10 @@ def _average_in_place(
     :func:`_small_ones`) are packed into one buffer and allreduced on their own, after that launch:
     packing them costs host time that the large launch then hides, and a tiny allreduce inside a
     grouped launch slows the whole launch down (4x H200: 1.12x one flat allreduce of a GPT's 149
-    tensors with the packed ones in the launch, 1.02x without). Then the current stream (never the
-    host) waits for each launch, fp16 gets its post-division, and the packed values go back to
-    their tensors.
+    tensors with the packed ones in the launch, 1.02x without). With ``staged`` (a table and the
+    cap), the tensors at ``small`` are streamed through the staging instead (:func:`_average_staged`).
+    Then the current stream (never the host) waits for each launch, fp16 gets its post-division,
+    and the packed values go back to their tensors.
     """
     # NCCL averages fp32/fp64/bf16 inside the collective (AVG: no division pass); fp16 keeps its
     # pre/post division (no pre-multiplied sums in a coalesced allreduce).
@@ -391,7 +392,9 @@ class _Paths(NamedTuple):
     ``in_place``: None takes the in-place path exactly where NCCL reduces (NCCL's coalesced
     allreduce reduces each tensor in its own storage; gloo's flattens into a copy, and CPU tensors
     are better served by the buckets); True or False forces it. ``on_in_place`` sees the tensors
-    of every in-place call (before the small ones are packed); ``pack_max_bytes`` 0 packs none.
+    of every in-place call (before the small ones are staged or packed); ``pack_max_bytes`` 0
+    packs none; ``stage_below_bytes`` 0 stages none (the small ones are packed, as without Triton);
+    ``stage_run_bytes`` is set per call (half the cap: the most one staged run holds).
     """
 
     in_place: bool | None = None
@@ -493,7 +496,10 @@ class _DeviceRecipe(NamedTuple):
 
 
 class _Recipe(NamedTuple):
-    """What :func:`_prepare` decided for one list of parameters: indices only, never a tensor."""
+    """What :func:`_prepare` decided for one list of parameters: indices and staging tables, never a parameter.
+
+    A table holds the staged parameters' addresses, which the call key pins (their ``data_ptr``).
+    """
 
     devices: list[_DeviceRecipe]
     integers: list[int]

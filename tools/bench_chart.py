@@ -27,6 +27,8 @@ WORKLOAD_COLORS = {
     "mlp-deep": "tab:orange",
     "transformer": "tab:green",
     "cnn": "tab:red",
+    "gpt-deep": "tab:purple",
+    "llama": "tab:brown",
     "-": "tab:gray",
 }
 

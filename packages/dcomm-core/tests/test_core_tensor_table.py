@@ -133,3 +133,17 @@ def test_check_names_the_switch_when_the_kernel_fails(monkeypatch: pytest.Monkey
     monkeypatch.setattr(tensor_table, "_copy_rows", Broken())
     with pytest.raises(RuntimeError, match="DCOMM_TRITON=0 on every rank"):
         table.check(torch.float32)
+
+
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_copies_run_on_the_tensors_gpu_not_the_current_one() -> None:
+    tensors = [torch.arange(7.0, device="cuda:1"), torch.arange(3000.0, device="cuda:1")]
+    table = TensorTable.build(tensors)
+    flat = torch.zeros(table.numel, device="cuda:1")
+    with torch.cuda.device(0):
+        table.pack(flat, 0, table.rows)
+        flat.mul_(2)
+        table.unpack(flat, 0, table.rows)
+    assert torch.equal(tensors[0], torch.arange(7.0, device="cuda:1") * 2)
+    assert torch.equal(tensors[1], torch.arange(3000.0, device="cuda:1") * 2)

@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from dcomm.core._triton import triton_enabled
+from dcomm.core._triton import launch_device, triton_enabled
 
 __all__ = ["average_rows_into", "dequantize_rows_into", "quantize_rows_into", "quantize_with_error_into", "usable"]
 
@@ -182,10 +182,11 @@ def quantize_rows_into(rows: torch.Tensor, fmt: str, block_size: int, out: torch
     rows = rows.contiguous()
     n_blocks = n * (cols // block_size)
     row_bytes = out.stride(0)
-    _quantize[_grid(n_blocks)](
-        rows, out, out.view(torch.float32), n_blocks, cols // block_size, cols, row_bytes, row_bytes // 4,
-        LIMIT=limit, INV_LIMIT=1.0 / limit, BLOCK=block_size, GROUP=_GROUP, FP8=fmt == "fp8",
-    )  # fmt: skip
+    with launch_device(out):
+        _quantize[_grid(n_blocks)](
+            rows, out, out.view(torch.float32), n_blocks, cols // block_size, cols, row_bytes, row_bytes // 4,
+            LIMIT=limit, INV_LIMIT=1.0 / limit, BLOCK=block_size, GROUP=_GROUP, FP8=fmt == "fp8",
+        )  # fmt: skip
     return out
 
 
@@ -203,10 +204,11 @@ def quantize_with_error_into(
     """
     n_blocks = out.shape[0]
     row_bytes = out.stride(0)
-    _quantize_with_error[_grid(n_blocks)](
-        values, error, out, out.view(torch.float32), values.numel(), n_blocks, row_bytes, row_bytes // 4,
-        LIMIT=limit, INV_LIMIT=1.0 / limit, BLOCK=block_size, GROUP=_GROUP, FP8=fmt == "fp8",
-    )  # fmt: skip
+    with launch_device(out):
+        _quantize_with_error[_grid(n_blocks)](
+            values, error, out, out.view(torch.float32), values.numel(), n_blocks, row_bytes, row_bytes // 4,
+            LIMIT=limit, INV_LIMIT=1.0 / limit, BLOCK=block_size, GROUP=_GROUP, FP8=fmt == "fp8",
+        )  # fmt: skip
 
 
 def average_rows_into(
@@ -230,12 +232,13 @@ def average_rows_into(
     """
     n_rows = out.shape[0]
     row_bytes = out.stride(0)
-    _average_rows[_grid(n_rows)](
-        received, received.view(torch.float32), out if error is None else error, out, out.view(torch.float32),
-        n_rows, world, row_bytes, row_bytes // 4,
-        INV_WORLD=_float32_reciprocal(world), LIMIT=limit, INV_LIMIT=1.0 / limit, BLOCK=block_size, GROUP=_GROUP,
-        FP8=fmt == "fp8", ERROR=error is not None,
-    )  # fmt: skip
+    with launch_device(out):
+        _average_rows[_grid(n_rows)](
+            received, received.view(torch.float32), out if error is None else error, out, out.view(torch.float32),
+            n_rows, world, row_bytes, row_bytes // 4,
+            INV_WORLD=_float32_reciprocal(world), LIMIT=limit, INV_LIMIT=1.0 / limit, BLOCK=block_size, GROUP=_GROUP,
+            FP8=fmt == "fp8", ERROR=error is not None,
+        )  # fmt: skip
 
 
 def dequantize_rows_into(packed: torch.Tensor, fmt: str, cols: int, block_size: int, out: torch.Tensor) -> torch.Tensor:
@@ -243,8 +246,9 @@ def dequantize_rows_into(packed: torch.Tensor, fmt: str, cols: int, block_size: 
     n = packed.shape[0]
     n_blocks = n * (cols // block_size)
     row_bytes = packed.stride(0)
-    _dequantize[_grid(n_blocks)](
-        packed, packed.view(torch.float32), out, n_blocks, cols // block_size, cols, row_bytes, row_bytes // 4,
-        BLOCK=block_size, GROUP=_GROUP, FP8=fmt == "fp8",
-    )  # fmt: skip
+    with launch_device(out):
+        _dequantize[_grid(n_blocks)](
+            packed, packed.view(torch.float32), out, n_blocks, cols // block_size, cols, row_bytes, row_bytes // 4,
+            BLOCK=block_size, GROUP=_GROUP, FP8=fmt == "fp8",
+        )  # fmt: skip
     return out

@@ -1,4 +1,4 @@
-"""Whether dcomm's Triton kernels are switched off (``DCOMM_TRITON=0``); their modules check the import.
+"""Where dcomm's Triton kernels run: switched off by ``DCOMM_TRITON=0``, launched on their tensors' GPU.
 
 Every rank must take the same path, so the switch is an environment variable that a launcher sets
 alike on every rank (e.g. where Triton imports but cannot compile).
@@ -14,9 +14,13 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Any
 
-__all__ = ["ENV_SWITCH", "triton_enabled"]
+import torch
+
+__all__ = ["ENV_SWITCH", "launch_device", "triton_enabled"]
 
 ENV_SWITCH = "DCOMM_TRITON"
 
@@ -24,3 +28,13 @@ ENV_SWITCH = "DCOMM_TRITON"
 def triton_enabled() -> bool:
     """``DCOMM_TRITON`` is not ``0``/``false``/``no``/``off`` (read on every call: a test may set it)."""
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def launch_device(tensor: torch.Tensor) -> Any:
+    """A context in which a Triton launch runs on ``tensor``'s GPU (Triton uses the current device).
+
+    Nothing to switch, the common case, costs no device query beyond one comparison.
+    """
+    if tensor.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(tensor.device)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dcomm.core._triton import ENV_SWITCH, triton_enabled
+from dcomm.core._triton import ENV_SWITCH, launch_device, triton_enabled
 
 __all__ = ["BLOCK", "TensorTable", "usable"]
 
@@ -180,13 +180,14 @@ class TensorTable:
             return
         itemsize = flat.element_size()
         aligned = self.aligned and flat.data_ptr() % _ALIGN_BYTES == 0
-        _copy_rows[(stop - first,)](
-            self.table[first:stop],
-            flat,
-            flat.data_ptr() // itemsize,
-            self.starts[first],
-            TO_FLAT=to_flat,
-            ALIGN=max(1, _ALIGN_BYTES // itemsize) if aligned else 1,
-            BLOCK=BLOCK,
-            num_warps=4,
-        )
+        with launch_device(flat):
+            _copy_rows[(stop - first,)](
+                self.table[first:stop],
+                flat,
+                flat.data_ptr() // itemsize,
+                self.starts[first],
+                TO_FLAT=to_flat,
+                ALIGN=max(1, _ALIGN_BYTES // itemsize) if aligned else 1,
+                BLOCK=BLOCK,
+                num_warps=4,
+            )

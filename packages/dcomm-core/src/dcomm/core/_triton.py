@@ -15,10 +15,11 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any
 
 import torch
+
+from dcomm.core.environment import switched_on
 
 __all__ = ["ENV_SWITCH", "launch_device", "triton_enabled"]
 
@@ -27,7 +28,7 @@ ENV_SWITCH = "DCOMM_TRITON"
 
 def triton_enabled() -> bool:
     """``DCOMM_TRITON`` is not ``0``/``false``/``no``/``off`` (read on every call: a test may set it)."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on(ENV_SWITCH)
 
 
 def launch_device(tensor: torch.Tensor) -> Any:

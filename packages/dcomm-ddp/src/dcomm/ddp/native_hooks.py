@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 import dcomm.ddp._torch_private as private
 from dcomm.core import resolve_group
+from dcomm.core.environment import switched_on
 from dcomm.ddp.default_hooks import (
     _cached_plan,
     _in_place_plan,
@@ -86,7 +87,7 @@ def native_hooks_available() -> bool:
 
 
 def _enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on(ENV_SWITCH)
 
 
 @contextlib.contextmanager

@@ -307,9 +307,9 @@ def _average_in_place(
         launched.append((group.allreduce_coalesced(chunk, options), chunk))
     if staged is not None:
         _average_staged(staged[0], group, tensors[small[0]], staged[1])
-        small = ()
-    if small:
-        flats = [tensors[i].view(-1) for i in small]
+    to_pack = small if staged is None else ()  # the small ones: packed here unless staged
+    if to_pack:
+        flats = [tensors[i].view(-1) for i in to_pack]
         packed = torch.cat(flats)
         if pre != 1.0:
             packed.div_(pre)
@@ -318,7 +318,7 @@ def _average_in_place(
         work.wait()  # on CUDA: the current stream waits for the collective, the host does not
         if post != 1.0:
             foreach_div_(chunk, post)
-    if small:
+    if to_pack:
         foreach_copy_(flats, list(packed.split([f.numel() for f in flats])))
 
 

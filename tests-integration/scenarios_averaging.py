@@ -262,6 +262,79 @@ def scenario_averaging_in_place_staged(rank: int, world_size: int) -> None:
         assert any(table is not None for d in recipe.devices for table in d.tables), "nothing was staged"
 
 
+@scenario(min_world_size=2)
+def scenario_averaging_replayed_as_graphs(rank: int, world_size: int) -> None:
+    """NCCL: repeated calls on the same parameters are replayed as one CUDA graph, with the same answers.
+
+    A model-like mix (fp32 and bf16 above and below the staging threshold, fp16 small ones, an
+    integer counter) gets new values on every rank before each of 20 calls, written into the
+    same storage; every call must give the float64 mean, including those replayed from the
+    graph, the eager ones every eighth call, calls made on a side stream, and after a parameter
+    is replaced (a new recipe, captured in turn) or ``DCOMM_CUDA_GRAPHS=0`` (nothing captured). Under gloo
+    the same calls take the bucket path and must give the same answers.
+    """
+    import os
+
+    from dcomm.averaging import parameters as impl
+    from dcomm.core import captured_average
+
+    on_nccl = dist.get_backend() == "nccl"
+    impl._GRAPHS.clear()  # earlier scenarios' graphs: counted from none
+    big = impl.STAGE_BELOW_BYTES // 4 + 333
+    specs = [((big,), torch.float32), ((64, 33), torch.float32), ((300,), torch.bfloat16)]
+    specs += [((big // 2 + 7,), torch.bfloat16)]
+    specs += [((5 + i % 7, 3), torch.float16) for i in range(40)] + [((17 + i,), torch.float32) for i in range(60)]
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device())) for shape, dtype in specs]
+    counter = torch.zeros((), dtype=torch.int64, device=device())
+    params.append(counter)
+
+    def values(r: int, call: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(7919 * call + r)
+        return [torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).double() for shape, dtype in specs]
+
+    def check(call: int, stream: Any = None) -> None:
+        with torch.no_grad():
+            for param, value in zip(params, values(rank, call), strict=False):
+                param.copy_(value)
+            counter.fill_(10 * call + rank)
+        if stream is None:
+            dcomm_averaging.average_parameters(params, None)
+        else:  # the caller's stream is a side stream: the average is ordered on it
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                dcomm_averaging.average_parameters(params, None)
+            torch.cuda.current_stream().wait_stream(stream)
+        everyone = [values(r, call) for r in range(world_size)]
+        for i, (param, (_, dtype)) in enumerate(zip(params, specs, strict=False)):
+            want = torch.stack([v[i] for v in everyone]).mean(0)
+            tol = {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+            torch.testing.assert_close(param.detach().double().cpu(), want, rtol=tol, atol=tol, msg=f"call {call}: {i}")
+        assert counter.item() == sum(10 * call + r for r in range(world_size)) // world_size, f"call {call}: counter"
+
+    for call in range(20):
+        check(call, torch.cuda.Stream() if on_nccl and call in (9, 10) else None)
+    graphs = impl._GRAPHS.get(torch.device(device())) if on_nccl else None
+    if graphs is not None:
+        assert len(graphs[0]) == 1, "the repeated average was never captured"
+        assert graphs[0]._watched_calls >= 20 - captured_average.CAPTURE_AFTER, "the graph was not replayed"
+    params[1] = torch.nn.Parameter(torch.zeros(specs[1][0], device=device()))  # a new tensor: a new recipe
+    for call in range(20, 25):
+        check(call)
+    if graphs is not None:
+        assert len(graphs[0]) == 2, "the new recipe was not captured"
+    os.environ[captured_average.SWITCH] = "0"
+    try:
+        for call in range(25, 28):
+            check(call)
+        params[1] = torch.nn.Parameter(torch.zeros(specs[1][0], device=device()))
+        for call in range(28, 32):
+            check(call)  # switched off: a third recipe, never captured
+    finally:
+        del os.environ[captured_average.SWITCH]
+    if on_nccl:
+        assert len(impl._GRAPHS[torch.device(device())][0]) == 2, "captured while switched off"
+
+
 @scenario(min_world_size=2, world_size_multiple=2)
 def scenario_averaging_resume_mid_run(rank: int, world_size: int) -> None:
     subgroup, _ = intra_node_subgroups()

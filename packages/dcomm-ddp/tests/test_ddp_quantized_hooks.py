@@ -298,7 +298,7 @@ RESTORE_AT = 12
 
 
 def _graphs_match_eager(rank: int, world: int) -> None:
-    from dcomm.ddp._captured_average import CAPTURE_AFTER, WATCHED_EVERY
+    from dcomm.core.captured_average import CAPTURE_AFTER, WATCHED_EVERY
     from dcomm_testing import DDPRun
 
     device = torch.device("cuda", rank)

@@ -3,7 +3,9 @@
 Every variant averages the same bytes several times per step (back to back, the throughput of
 a periodic averager: 10 calls below 64 MiB, else 2): torch's and dcomm's ``average_parameters``
 over separate tensors of the workload's shapes, dcomm's over the same tensors carved out of one
-buffer, and one flat allreduce of the same number of elements (the reference).
+buffer, and one flat allreduce of the same number of elements (the reference). On CUDA, dcomm's
+variants report the memory their CUDA graphs hold (``graph MiB held``), which the peak extra
+memory of a timed step does not show.
 
 Example::
 
@@ -56,6 +58,14 @@ def build_raw_allreduce(ctx: Context, calls: int) -> Variant:
     return Variant(step)
 
 
+def graph_reserved_mib(device: torch.device) -> float:
+    """Device memory that dcomm's averaging graphs on ``device`` hold (reserved while they live)."""
+    from dcomm.averaging import parameters
+
+    kept = parameters._GRAPHS.get(device)
+    return round(kept[0].reserved_bytes / 2**20, 1) if kept is not None else 0.0
+
+
 def build_average_parameters(ctx: Context, impl: str, calls: int, flattened: bool = False) -> Variant:
     average_parameters = resolve(impl, "average_parameters")
     params = averaged_tensors(ctx, flattened)
@@ -65,7 +75,9 @@ def build_average_parameters(ctx: Context, impl: str, calls: int, flattened: boo
         for _ in range(calls):
             average_parameters(iter(params), group)
 
-    return Variant(step)
+    if impl != "dcomm" or ctx.device.type != "cuda":
+        return Variant(step)
+    return Variant(step, details=lambda: {"graph MiB held": graph_reserved_mib(ctx.device)})
 
 
 def averaging_case(ctx: Context) -> Case:

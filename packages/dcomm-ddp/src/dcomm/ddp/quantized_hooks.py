@@ -11,7 +11,7 @@ float32 scale per 256 values):
 Step 1 runs in the hook on the backward pass's stream; on GPUs steps 2 and 3 run on a side
 stream, so the backward pass never waits for the network (only DDP's final wait does). On NCCL,
 once DDP has settled its buckets, each bucket's three steps are one CUDA graph replayed on the
-side stream (:mod:`dcomm.ddp._captured_average`): a few dozen launches and their Python become
+side stream (:mod:`dcomm.core.captured_average`): a few dozen launches and their Python become
 one, and DDP's last bucket waits for them all.
 
 Each rank sends ``2 (world - 1)`` quantized chunks, about ``(1 + 4 / block_size) / 4`` of an
@@ -53,9 +53,9 @@ import torch
 import torch.distributed as dist
 
 from dcomm.core import QuantizedAverage, completed_future, quantized_average_bytes, reduced_by_nccl, resolve_group
+from dcomm.core.captured_average import CapturedAverages, StreamWork
 from dcomm.core.validation import boolean, even_int, non_negative_int, one_of
 from dcomm.ddp._backward_works import defer_to_last_bucket, wait_deferred
-from dcomm.ddp._captured_average import CapturedAverages, StreamWork
 from dcomm.ddp._hook_state import ResumableHookState
 from dcomm.ddp._ordered_chain import drains_here
 from dcomm.ddp._wire_choice import WIRES, WireChoice
@@ -147,8 +147,8 @@ class QuantizedState(ResumableHookState):
         # rank must use the same. Internal: for measuring, not an API.
         self._pattern = "two_shot"
         self._averagers: dict[tuple[str, str], QuantizedAverage] = {}
-        # CUDA + NCCL: each settled bucket's average as one CUDA graph (dcomm.ddp._captured_average).
-        self._graphs = CapturedAverages()
+        # CUDA + NCCL: each settled bucket's average as one CUDA graph (dcomm.core.captured_average).
+        self._graphs = CapturedAverages("quantized hook")
         self._graphs.enabled = graphs
 
     @property

@@ -316,7 +316,7 @@ def scenario_averaging_replayed_as_graphs(rank: int, world_size: int) -> None:
     graphs = impl._GRAPHS.get(torch.device(device())) if on_nccl else None
     if graphs is not None:
         assert len(graphs[0]) == 1, "the repeated average was never captured"
-        assert graphs[0]._watched_calls >= 20 - captured_average.CAPTURE_AFTER, "the graph was not replayed"
+        assert graphs[0]._watched_calls >= 20 - captured_average.CAPTURE_AFTER - 1, "the graph was not replayed"
     params[1] = torch.nn.Parameter(torch.zeros(specs[1][0], device=device()))  # a new tensor: a new recipe
     for call in range(20, 25):
         check(call)

@@ -23,6 +23,11 @@ takes one of two paths:
   into two half-bucket buffers so that packing bucket ``i + 1`` overlaps the allreduce of
   bucket ``i``.
 
+On the in-place path, a call that repeats the last ones (the same parameters in the same storage,
+as a periodic averager passes them) is replayed from the third call on as one CUDA graph of all
+its kernels and collectives (:func:`_replayed`): its host time no longer grows with the number of
+parameters. ``DCOMM_CUDA_GRAPHS=0`` (alike on every rank) keeps every call eager.
+
 Either way parameters keep their storage (optimizers and views that hold them stay valid) and
 their dtype (a bf16 parameter is averaged in bf16, never promoted), and the arithmetic is the
 same up to the last bit: :func:`dcomm.core.plan_average` decides it for both paths.
@@ -739,6 +744,12 @@ def average_parameters(
     Everything is checked before the first collective, so a bad parameter raises with nothing
     averaged: an empty ``params`` (torch raises too; the peers would otherwise wait for this rank),
     a sparse, meta or complex tensor, a CPU tensor on an NCCL group.
+
+    On NCCL, from the third call with the same parameters in the same storage, the in-place
+    average is captured once as a CUDA graph and replayed (every eighth call stays eager, so that
+    the NCCL watchdog keeps timing a collective); the graph keeps the small parameters' staging
+    (at most ``bucket_cap_mb``) reserved while it lives. ``DCOMM_CUDA_GRAPHS=0``, set alike on
+    every rank, keeps every call eager.
 
     Example::
 

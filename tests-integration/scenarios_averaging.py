@@ -270,7 +270,8 @@ def scenario_averaging_replayed_as_graphs(rank: int, world_size: int) -> None:
     integer counter) gets new values on every rank before each of 20 calls, written into the
     same storage; every call must give the float64 mean, including those replayed from the
     graph, the eager ones every eighth call, calls made on a side stream, and after a parameter
-    is replaced (a new recipe, captured in turn) or ``DCOMM_CUDA_GRAPHS=0`` (nothing captured). Under gloo
+    is replaced (a new recipe, captured in turn), under ``DCOMM_CUDA_GRAPHS=0`` (nothing captured),
+    and over a new group after its predecessor was destroyed. Under gloo
     the same calls take the bucket path and must give the same answers.
     """
     import os
@@ -292,13 +293,13 @@ def scenario_averaging_replayed_as_graphs(rank: int, world_size: int) -> None:
         g = torch.Generator().manual_seed(7919 * call + r)
         return [torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).double() for shape, dtype in specs]
 
-    def check(call: int, stream: Any = None) -> None:
+    def check(call: int, stream: Any = None, group: Any = None) -> None:
         with torch.no_grad():
             for param, value in zip(params, values(rank, call), strict=False):
                 param.copy_(value)
             counter.fill_(10 * call + rank)
         if stream is None:
-            dcomm_averaging.average_parameters(params, None)
+            dcomm_averaging.average_parameters(params, group)
         else:  # the caller's stream is a side stream: the average is ordered on it
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -333,6 +334,16 @@ def scenario_averaging_replayed_as_graphs(rank: int, world_size: int) -> None:
         del os.environ[captured_average.SWITCH]
     if on_nccl:
         assert len(impl._GRAPHS[torch.device(device())][0]) == 2, "captured while switched off"
+    # A group destroyed and replaced by a new one: the new group's calls are its own (never the
+    # old communicator's graph), captured in turn.
+    for _ in range(2):
+        subgroup = dist.new_group(list(range(world_size)))
+        for call in range(32, 36):
+            check(call, group=subgroup)
+        dist.destroy_process_group(subgroup)
+        del subgroup
+    if on_nccl:
+        assert len(impl._GRAPHS[torch.device(device())][0]) == 4, "a new group's average was not captured"
 
 
 @scenario(min_world_size=2, world_size_multiple=2)

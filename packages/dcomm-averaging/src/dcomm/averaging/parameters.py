@@ -569,7 +569,9 @@ def _forget_graphs(digest: int) -> None:
         graphs.forget(digest)
 
 
-def _replayed(digest: int | None, recipe: _DeviceRecipe, average: Callable[[], None]) -> bool:
+def _replayed(
+    digest: int | None, recipe: _DeviceRecipe, group: dist.ProcessGroup, average: Callable[[], None]
+) -> bool:
     """Run one device's in-place average as a CUDA graph where one is captured or due; whether it did.
 
     The same parameters averaged again cost the same kernels and collectives every call: on
@@ -579,6 +581,8 @@ def _replayed(digest: int | None, recipe: _DeviceRecipe, average: Callable[[], N
     stays eager so that the NCCL watchdog keeps seeing a collective (see
     :mod:`dcomm.core.captured_average`; ``DCOMM_CUDA_GRAPHS=0`` turns graphs off). The graph
     holds at most the staging of the small parameters (``bucket_cap_mb``) while its recipe is kept.
+    It also holds ``group``: the call key names the group by ``id``, and a group destroyed and
+    replaced by a new one at the same address would otherwise replay the old communicator.
     """
     if digest is None or not (recipe.in_place and recipe.by_nccl) or torch.cuda.is_current_stream_capturing():
         return False
@@ -596,7 +600,7 @@ def _replayed(digest: int | None, recipe: _DeviceRecipe, average: Callable[[], N
             average()
             return 0
 
-        work = graphs.capture(digest, captured, stream, keep=recipe)
+        work = graphs.capture(digest, captured, stream, keep=(recipe, group))
     if work is None:
         return False
     work.wait()
@@ -706,7 +710,7 @@ def _average_parameters(
             average = functools.partial(
                 _average_on_device, device_recipe, params, group, cap_bytes, paths, dense.get(device_recipe.device)
             )
-            if not _replayed(graph_key, device_recipe, average):
+            if not _replayed(graph_key, device_recipe, group, average):
                 average()
         if recipe.integers:
             _average_integers([params[i].detach() for i in recipe.integers], group)

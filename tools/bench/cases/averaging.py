@@ -4,8 +4,9 @@ Every variant averages the same bytes several times per step (back to back, the 
 a periodic averager: 10 calls below 64 MiB, else 2): torch's and dcomm's ``average_parameters``
 over separate tensors of the workload's shapes, dcomm's over the same tensors carved out of one
 buffer, and one flat allreduce of the same number of elements (the reference). On CUDA, dcomm's
-variants report the memory their CUDA graphs hold (``graph MiB held``), which the peak extra
-memory of a timed step does not show.
+variants report the memory that CUDA graphs captured since the variant was built hold
+(``graph MiB held``: what this workload's averages added to the graphs' shared pool), which the
+peak extra memory of a timed step does not show.
 
 Example::
 
@@ -77,7 +78,8 @@ def build_average_parameters(ctx: Context, impl: str, calls: int, flattened: boo
 
     if impl != "dcomm" or ctx.device.type != "cuda":
         return Variant(step)
-    return Variant(step, details=lambda: {"graph MiB held": graph_reserved_mib(ctx.device)})
+    held_before = graph_reserved_mib(ctx.device)  # earlier cases' graphs share the pool
+    return Variant(step, details=lambda: {"graph MiB held": round(graph_reserved_mib(ctx.device) - held_before, 1)})
 
 
 def averaging_case(ctx: Context) -> Case:

@@ -1,6 +1,9 @@
 """When an average is captured in a CUDA graph (the bookkeeping; the graphs themselves run in the
 NCCL tests of test_ddp_quantized_hooks.py and the averaging scenarios of the integration suite)."""
 
+import subprocess
+import sys
+
 from dcomm.core import captured_average as captured
 from dcomm.core.captured_average import CAPTURE_AFTER, MAX_GRAPHS, CapturedAverages
 
@@ -65,3 +68,23 @@ def test_the_switch_turns_capture_and_replay_off(monkeypatch) -> None:
     assert not any(graphs.due("other") for _ in range(CAPTURE_AFTER + 3))
     monkeypatch.setenv(captured.SWITCH, "1")
     assert [graphs.due("other") for _ in range(CAPTURE_AFTER + 1)][-1] is True
+
+
+def test_release_all_clears_every_owner_and_runs_at_exit() -> None:
+    first, second = CapturedAverages("one"), CapturedAverages("two")
+    first._captured["a"] = object()
+    second._captured["b"] = object()
+    captured.release_all()
+    assert len(first) == len(second) == 0
+    # At exit: a handler registered before the module sees the graphs already released
+    # (atexit runs handlers last-registered first), so none is alive at interpreter teardown.
+    script = (
+        "import atexit\n"
+        "live = {}\n"
+        "atexit.register(lambda: print('graphs at exit:', len(live['graphs'])))\n"
+        "from dcomm.core.captured_average import CapturedAverages\n"
+        "live['graphs'] = CapturedAverages('exit')\n"
+        "live['graphs']._captured['key'] = object()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert "graphs at exit: 0" in done.stdout, done.stdout + done.stderr

@@ -569,9 +569,7 @@ def _forget_graphs(digest: int) -> None:
         graphs.forget(digest)
 
 
-def _replayed(
-    digest: int | None, recipe: _DeviceRecipe, group: dist.ProcessGroup, average: Callable[[], None]
-) -> bool:
+def _replayed(digest: int | None, recipe: _DeviceRecipe, group: dist.ProcessGroup, average: Callable[[], None]) -> bool:
     """Run one device's in-place average as a CUDA graph where one is captured or due; whether it did.
 
     The same parameters averaged again cost the same kernels and collectives every call: on

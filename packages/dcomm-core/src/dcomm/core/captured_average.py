@@ -29,6 +29,8 @@ Example::
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -37,7 +39,7 @@ import torch
 from dcomm.core.environment import switched_on
 from dcomm.core.log import warn_once
 
-__all__ = ["CAPTURE_AFTER", "MAX_GRAPHS", "SWITCH", "WATCHED_EVERY", "CapturedAverages", "StreamWork"]
+__all__ = ["CAPTURE_AFTER", "MAX_GRAPHS", "SWITCH", "WATCHED_EVERY", "CapturedAverages", "StreamWork", "release_all"]
 
 SWITCH = "DCOMM_CUDA_GRAPHS"
 """Set to ``0`` (alike on every rank) to run every average eagerly: no capture, no replay."""
@@ -80,6 +82,7 @@ class CapturedAverages:
     """Per key, a CUDA graph of one average, captured after :data:`CAPTURE_AFTER` eager calls."""
 
     __slots__ = (
+        "__weakref__",
         "_captured",
         "_eager_calls",
         "_pool",
@@ -103,6 +106,7 @@ class CapturedAverages:
         self.enabled = True
         self.reserved_bytes = 0
         """Device memory the graphs' pool reserved while capturing (held while a graph lives)."""
+        _LIVE.add(self)
 
     def __len__(self) -> int:
         return len(self._captured)
@@ -189,3 +193,27 @@ class CapturedAverages:
             self._ready = torch.cuda.Event()
         self._captured[key] = _Captured(graph, StreamWork(torch.cuda.Event(), bytes_sent, stream.device), keep)
         return self.replay(key, stream)
+
+
+_LIVE: weakref.WeakSet[CapturedAverages] = weakref.WeakSet()
+"""Every :class:`CapturedAverages` alive, so that :func:`release_all` reaches their graphs."""
+
+
+def release_all() -> None:
+    """Destroy every captured graph now (after the device finishes them); they are captured again when due.
+
+    A CUDA graph that holds NCCL collectives and is still alive when the interpreter exits hangs
+    the exit (pytorch/pytorch#115388), whether or not the process group was destroyed first, so
+    this runs at exit (``atexit``, before torch's own teardown). Call it before destroying a
+    process group whose communicator a graph may use, to release that graph first.
+    """
+    live = [graphs for graphs in list(_LIVE) if len(graphs)]
+    if not live:
+        return
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # no graph is destroyed while it still runs
+    for graphs in live:
+        graphs.clear()
+
+
+atexit.register(release_all)

@@ -271,7 +271,8 @@ def scenario_averaging_replayed_as_graphs(rank: int, world_size: int) -> None:
     same storage; every call must give the float64 mean, including those replayed from the
     graph, the eager ones every eighth call, calls made on a side stream, and after a parameter
     is replaced (a new recipe, captured in turn), under ``DCOMM_CUDA_GRAPHS=0`` (nothing captured),
-    and over a new group after its predecessor was destroyed. Under gloo
+    over a new group after its predecessor was destroyed (which releases every graph first), and
+    not at all with the switch unset (opt-in). Under gloo
     the same calls take the bucket path and must give the same answers.
     """
     import os
@@ -312,38 +313,51 @@ def scenario_averaging_replayed_as_graphs(rank: int, world_size: int) -> None:
             torch.testing.assert_close(param.detach().double().cpu(), want, rtol=tol, atol=tol, msg=f"call {call}: {i}")
         assert counter.item() == sum(10 * call + r for r in range(world_size)) // world_size, f"call {call}: counter"
 
-    for call in range(20):
-        check(call, torch.cuda.Stream() if on_nccl and call in (9, 10) else None)
-    graphs = impl._GRAPHS.get(torch.device(device())) if on_nccl else None
-    if graphs is not None:
-        assert len(graphs[0]) == 1, "the repeated average was never captured"
-        assert graphs[0]._watched_calls >= 20 - captured_average.CAPTURE_AFTER - 1, "the graph was not replayed"
-    params[1] = torch.nn.Parameter(torch.zeros(specs[1][0], device=device()))  # a new tensor: a new recipe
-    for call in range(20, 25):
-        check(call)
-    if graphs is not None:
-        assert len(graphs[0]) == 2, "the new recipe was not captured"
-    os.environ[captured_average.SWITCH] = "0"
     try:
-        for call in range(25, 28):
+        os.environ[captured_average.SWITCH] = "1"  # average_parameters' graphs are opt-in
+        for call in range(20):
+            check(call, torch.cuda.Stream() if on_nccl and call in (9, 10) else None)
+        graphs = impl._GRAPHS.get(torch.device(device())) if on_nccl else None
+        if graphs is not None:
+            assert len(graphs[0]) == 1, "the repeated average was never captured"
+            assert graphs[0]._watched_calls >= 20 - captured_average.CAPTURE_AFTER - 1, "the graph was not replayed"
+        params[1] = torch.nn.Parameter(torch.zeros(specs[1][0], device=device()))  # a new tensor: a new recipe
+        for call in range(20, 25):
             check(call)
-        params[1] = torch.nn.Parameter(torch.zeros(specs[1][0], device=device()))
-        for call in range(28, 32):
-            check(call)  # switched off: a third recipe, never captured
+        if graphs is not None:
+            assert len(graphs[0]) == 2, "the new recipe was not captured"
+        os.environ[captured_average.SWITCH] = "0"
+        try:
+            for call in range(25, 28):
+                check(call)
+            params[1] = torch.nn.Parameter(torch.zeros(specs[1][0], device=device()))
+            for call in range(28, 32):
+                check(call)  # switched off: a third recipe, never captured
+        finally:
+            os.environ[captured_average.SWITCH] = "1"
+        if on_nccl:
+            assert len(impl._GRAPHS[torch.device(device())][0]) == 2, "captured while switched off"
+        # A group destroyed and replaced by a new one: the new group's calls are its own (never the
+        # old communicator's graph), captured in turn; destroy_process_group releases every graph
+        # first (a graph holding NCCL collectives alive through it hangs it).
+        registry = impl._GRAPHS[torch.device(device())][0] if on_nccl else None
+        for _ in range(2):
+            subgroup = dist.new_group(list(range(world_size)))
+            for call in range(32, 36):
+                check(call, group=subgroup)
+            if registry is not None:
+                assert len(registry) >= 1, "the new group's average was not captured"
+            dist.destroy_process_group(subgroup)
+            del subgroup
+            if registry is not None:
+                assert len(registry) == 0, "a graph outlived destroy_process_group"
+        del os.environ[captured_average.SWITCH]  # unset: off by default
+        for call in range(36, 40):
+            check(call, group=None)
+        if registry is not None:
+            assert len(registry) == 0, "captured while not switched on"
     finally:
-        del os.environ[captured_average.SWITCH]
-    if on_nccl:
-        assert len(impl._GRAPHS[torch.device(device())][0]) == 2, "captured while switched off"
-    # A group destroyed and replaced by a new one: the new group's calls are its own (never the
-    # old communicator's graph), captured in turn.
-    for _ in range(2):
-        subgroup = dist.new_group(list(range(world_size)))
-        for call in range(32, 36):
-            check(call, group=subgroup)
-        dist.destroy_process_group(subgroup)
-        del subgroup
-    if on_nccl:
-        assert len(impl._GRAPHS[torch.device(device())][0]) == 4, "a new group's average was not captured"
+        os.environ.pop(captured_average.SWITCH, None)
 
 
 @scenario(min_world_size=2, world_size_multiple=2)

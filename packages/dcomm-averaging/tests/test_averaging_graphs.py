@@ -44,7 +44,7 @@ def test_a_process_with_a_replayed_average_exits(tmp_path: Path, destroy: str) -
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
-    env = {**os.environ, "DESTROY": destroy, "NCCL_NVLS_ENABLE": "0"}
+    env = {**os.environ, "DESTROY": destroy, "NCCL_NVLS_ENABLE": "0", "DCOMM_CUDA_GRAPHS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert done.stdout.count("done") == 2, done.stdout

@@ -88,3 +88,29 @@ def test_release_all_clears_every_owner_and_runs_at_exit() -> None:
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert "graphs at exit: 0" in done.stdout, done.stdout + done.stderr
+
+
+def test_an_owner_off_by_default_captures_only_when_switched_on(monkeypatch) -> None:
+    graphs = CapturedAverages("opt-in", on_by_default=False)
+    monkeypatch.delenv(captured.SWITCH, raising=False)
+    assert not any(graphs.due("params") for _ in range(CAPTURE_AFTER + 3))
+    monkeypatch.setenv(captured.SWITCH, "1")
+    assert [graphs.due("params") for _ in range(CAPTURE_AFTER + 1)][-1] is True
+
+
+def test_destroy_process_group_releases_the_graphs_first() -> None:
+    # A live graph holding NCCL collectives hangs destroy_process_group: the wrapped one releases
+    # every graph before torch's runs (here with gloo and a stand-in graph).
+    script = (
+        "import os, tempfile\n"
+        "import torch.distributed as dist\n"
+        "from dcomm.core.captured_average import CapturedAverages\n"
+        "graphs = CapturedAverages('destroy')\n"
+        "store = os.path.join(tempfile.mkdtemp(), 'store')\n"
+        "dist.init_process_group('gloo', init_method='file://' + store, rank=0, world_size=1)\n"
+        "graphs._captured['key'] = object()\n"
+        "dist.destroy_process_group()\n"
+        "print('graphs after destroy:', len(graphs))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert "graphs after destroy: 0" in done.stdout, done.stdout + done.stderr

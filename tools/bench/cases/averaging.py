@@ -3,10 +3,11 @@
 Every variant averages the same bytes several times per step (back to back, the throughput of
 a periodic averager: 10 calls below 64 MiB, else 2): torch's and dcomm's ``average_parameters``
 over separate tensors of the workload's shapes, dcomm's over the same tensors carved out of one
-buffer, and one flat allreduce of the same number of elements (the reference). On CUDA, dcomm's
-variants report the memory that CUDA graphs captured since the variant was built hold
-(``graph MiB held``: what this workload's averages added to the graphs' shared pool), which the
-peak extra memory of a timed step does not show.
+buffer, and one flat allreduce of the same number of elements (the reference); ``dcomm replayed``
+is dcomm's call with its CUDA graphs switched on (``DCOMM_CUDA_GRAPHS=1``, opt-in; the other dcomm
+variants run with them off). On CUDA, dcomm's variants report the memory that CUDA graphs
+captured since the variant was built hold (``graph MiB held``: what this workload's averages
+added to the graphs' shared pool), which the peak extra memory of a timed step does not show.
 
 Example::
 
@@ -17,10 +18,14 @@ Example::
 
 from __future__ import annotations
 
+import os
+import unittest.mock
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from dcomm.core.captured_average import SWITCH
 from tools.bench.ab import Case, Pair, Variant
 from tools.bench.cases.common import Context
 from tools.impls import resolve
@@ -67,14 +72,19 @@ def graph_reserved_mib(device: torch.device) -> float:
     return round(kept[0].reserved_bytes / 2**20, 1) if kept is not None else 0.0
 
 
-def build_average_parameters(ctx: Context, impl: str, calls: int, flattened: bool = False) -> Variant:
+def build_average_parameters(
+    ctx: Context, impl: str, calls: int, flattened: bool = False, replayed: bool = False
+) -> Variant:
+    """``impl``'s average_parameters, ``calls`` times per step; ``replayed``: dcomm's CUDA graphs on (opt-in)."""
     average_parameters = resolve(impl, "average_parameters")
     params = averaged_tensors(ctx, flattened)
     group = dist.group.WORLD
+    switch = {SWITCH: "1" if replayed else "0"} if impl == "dcomm" else {}
 
     def step() -> None:
-        for _ in range(calls):
-            average_parameters(iter(params), group)
+        with unittest.mock.patch.dict(os.environ, switch):
+            for _ in range(calls):
+                average_parameters(iter(params), group)
 
     if impl != "dcomm" or ctx.device.type != "cuda":
         return Variant(step)
@@ -91,12 +101,15 @@ def averaging_case(ctx: Context) -> Case:
         "torch": lambda: build_average_parameters(ctx, "torch", calls),
         "dcomm": lambda: build_average_parameters(ctx, "dcomm", calls),
         "dcomm flattened": lambda: build_average_parameters(ctx, "dcomm", calls, flattened=True),
+        "dcomm replayed": lambda: build_average_parameters(ctx, "dcomm", calls, replayed=True),
     }
     pairs = [
         Pair("averaging", "dcomm", "torch", "dcomm/torch"),
         Pair("averaging", "dcomm", "raw allreduce", "dcomm/reference"),
         Pair("averaging", "torch", "raw allreduce", "torch/reference"),
         Pair("averaging/flattened", "dcomm flattened", "raw allreduce", "dcomm/reference"),
+        Pair("averaging/replayed", "dcomm replayed", "torch", "dcomm/torch"),
+        Pair("averaging/replayed", "dcomm replayed", "raw allreduce", "dcomm/reference"),
     ]
     details = {"MiB": round(nbytes / 2**20, 1), "tensors": len(shapes), "calls per step": calls}
     return Case("averaging", variants, pairs, details=details)

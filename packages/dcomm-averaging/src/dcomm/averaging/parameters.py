@@ -23,10 +23,10 @@ takes one of two paths:
   into two half-bucket buffers so that packing bucket ``i + 1`` overlaps the allreduce of
   bucket ``i``.
 
-On the in-place path, a call that repeats the last ones (the same parameters in the same storage,
-as a periodic averager passes them) is replayed from the third call on as one CUDA graph of all
-its kernels and collectives (:func:`_replayed`): its host time no longer grows with the number of
-parameters. ``DCOMM_CUDA_GRAPHS=0`` (alike on every rank) keeps every call eager.
+With ``DCOMM_CUDA_GRAPHS=1`` (opt-in, alike on every rank), a call on the in-place path that
+repeats the last ones (the same parameters in the same storage, as a periodic averager passes
+them) is replayed from the third call on as one CUDA graph of all its kernels and collectives
+(:func:`_replayed`): its host time no longer grows with the number of parameters.
 
 Either way parameters keep their storage (optimizers and views that hold them stay valid) and
 their dtype (a bf16 parameter is averaged in bf16, never promoted), and the arithmetic is the
@@ -574,11 +574,11 @@ def _replayed(digest: int | None, recipe: _DeviceRecipe, group: dist.ProcessGrou
 
     The same parameters averaged again cost the same kernels and collectives every call: on
     models of many tensors their host time is most of the call (4x H200: a ResNet-34's 110
-    tensors 1.84x a raw allreduce of the same bytes, replayed 1.14x). From the third call with
-    the same recipe (``digest``) the average is captured once and replayed; every eighth call
-    stays eager so that the NCCL watchdog keeps seeing a collective (see
-    :mod:`dcomm.core.captured_average`; ``DCOMM_CUDA_GRAPHS=0`` turns graphs off). The graph
-    holds at most the staging of the small parameters (``bucket_cap_mb``) while its recipe is kept.
+    tensors 1.84x a raw allreduce of the same bytes, replayed 1.14x). With ``DCOMM_CUDA_GRAPHS=1``
+    (opt-in, alike on every rank), from the third call with the same recipe (``digest``) the
+    average is captured once and replayed; every eighth call stays eager so that the NCCL
+    watchdog keeps seeing a collective (see :mod:`dcomm.core.captured_average`). The graph holds
+    at most the staging of the small parameters (``bucket_cap_mb``) while its recipe is kept.
     It also holds ``group``: the call key names the group by ``id``, and a group destroyed and
     replaced by a new one at the same address would otherwise replay the old communicator.
     """
@@ -587,7 +587,7 @@ def _replayed(digest: int | None, recipe: _DeviceRecipe, group: dist.ProcessGrou
     kept = _GRAPHS.get(recipe.device)
     if kept is None:
         kept = _GRAPHS[recipe.device] = (
-            CapturedAverages("average_parameters", max_graphs=_RECIPES_KEPT),
+            CapturedAverages("average_parameters", max_graphs=_RECIPES_KEPT, on_by_default=False),
             torch.cuda.Stream(recipe.device),
         )
     graphs, stream = kept
@@ -747,11 +747,11 @@ def average_parameters(
     averaged: an empty ``params`` (torch raises too; the peers would otherwise wait for this rank),
     a sparse, meta or complex tensor, a CPU tensor on an NCCL group.
 
-    On NCCL, from the third call with the same parameters in the same storage, the in-place
-    average is captured once as a CUDA graph and replayed (every eighth call stays eager, so that
-    the NCCL watchdog keeps timing a collective); the graph keeps the small parameters' staging
-    (at most ``bucket_cap_mb``) reserved while it lives. ``DCOMM_CUDA_GRAPHS=0``, set alike on
-    every rank, keeps every call eager.
+    With ``DCOMM_CUDA_GRAPHS=1`` set alike on every rank (opt-in), on NCCL, from the third call
+    with the same parameters in the same storage, the in-place average is captured once as a CUDA
+    graph and replayed (every eighth call stays eager, so that the NCCL watchdog keeps timing a
+    collective); the graph keeps the small parameters' staging (at most ``bucket_cap_mb``)
+    reserved while it lives, and is released before ``destroy_process_group``.
 
     Example::
 

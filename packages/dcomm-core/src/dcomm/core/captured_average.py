@@ -30,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import atexit
+import functools
 import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -42,7 +43,8 @@ from dcomm.core.log import warn_once
 __all__ = ["CAPTURE_AFTER", "MAX_GRAPHS", "SWITCH", "WATCHED_EVERY", "CapturedAverages", "StreamWork", "release_all"]
 
 SWITCH = "DCOMM_CUDA_GRAPHS"
-"""Set to ``0`` (alike on every rank) to run every average eagerly: no capture, no replay."""
+"""``0`` (alike on every rank) runs every average eagerly: no capture, no replay; ``1`` also turns on
+the owners whose graphs are off by default (``on_by_default=False``)."""
 
 CAPTURE_AFTER = 2
 """Eager calls per key before its capture: buffers allocated, NCCL communicators created."""
@@ -90,14 +92,17 @@ class CapturedAverages:
         "_watched_calls",
         "enabled",
         "max_graphs",
+        "on_by_default",
         "owner",
         "reserved_bytes",
     )
 
-    def __init__(self, owner: str, max_graphs: int = MAX_GRAPHS) -> None:
+    def __init__(self, owner: str, max_graphs: int = MAX_GRAPHS, on_by_default: bool = True) -> None:
         self.owner = owner
         """Who captures, as the one warning on a failed capture names it."""
         self.max_graphs = max_graphs
+        self.on_by_default = on_by_default
+        """Whether graphs are used while ``DCOMM_CUDA_GRAPHS`` is unset."""
         self._captured: dict[Hashable, _Captured] = {}
         self._eager_calls: dict[Hashable, int] = {}
         self._pool: Any = None
@@ -133,7 +138,7 @@ class CapturedAverages:
         :data:`WATCHED_EVERY`-th time: average it eagerly).
         """
         captured = self._captured.get(key)
-        if captured is None or not switched_on(SWITCH):
+        if captured is None or not switched_on(SWITCH, self.on_by_default):
             return None
         if self.eager_turn(watched):
             return None  # eager this time: a collective the watchdog can time out on
@@ -157,7 +162,7 @@ class CapturedAverages:
         """Count an eager call of ``key``; whether its graph should be captured now."""
         if not self.enabled or key in self._captured or len(self._captured) >= self.max_graphs:
             return False
-        if not switched_on(SWITCH):
+        if not switched_on(SWITCH, self.on_by_default):
             return False
         if len(self._eager_calls) >= 4 * self.max_graphs:  # keys that never came back
             self._eager_calls.clear()
@@ -202,10 +207,11 @@ _LIVE: weakref.WeakSet[CapturedAverages] = weakref.WeakSet()
 def release_all() -> None:
     """Destroy every captured graph now (after the device finishes them); they are captured again when due.
 
-    A CUDA graph that holds NCCL collectives and is still alive when the interpreter exits hangs
-    the exit (pytorch/pytorch#115388), whether or not the process group was destroyed first, so
-    this runs at exit (``atexit``, before torch's own teardown). Call it before destroying a
-    process group whose communicator a graph may use, to release that graph first.
+    A CUDA graph that holds NCCL collectives and is alive while its process group is destroyed
+    hangs ``destroy_process_group`` (pytorch/pytorch#115388). dcomm's import wraps
+    ``torch.distributed.destroy_process_group`` to call this first, and it runs at exit; call it
+    yourself before destroying a group through a ``destroy_process_group`` imported by name
+    before dcomm was.
     """
     live = [graphs for graphs in list(_LIVE) if len(graphs)]
     if not live:
@@ -216,4 +222,29 @@ def release_all() -> None:
         graphs.clear()
 
 
+def _releasing_graphs_first(destroy: Callable[..., Any]) -> Callable[..., Any]:
+    """``destroy`` (torch's ``destroy_process_group``) preceded by :func:`release_all`."""
+
+    @functools.wraps(destroy)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        release_all()
+        return destroy(*args, **kwargs)
+
+    destroy_process_group.__dcomm_releases_graphs__ = True  # type: ignore[attr-defined]
+    return destroy_process_group
+
+
+def _wrap_destroy_process_group() -> None:
+    """Make ``torch.distributed.destroy_process_group`` release dcomm's graphs first (once)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    for module in (dist, c10d):
+        destroy = getattr(module, "destroy_process_group", None)
+        if destroy is not None and not getattr(destroy, "__dcomm_releases_graphs__", False):
+            setattr(module, "destroy_process_group", _releasing_graphs_first(destroy))  # noqa: B010
+
+
 atexit.register(release_all)
+if torch.distributed.is_available():
+    _wrap_destroy_process_group()

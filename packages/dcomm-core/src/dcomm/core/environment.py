@@ -7,8 +7,8 @@ Example::
 
     >>> import os
     >>> os.environ["DCOMM_EXAMPLE"] = "off"
-    >>> switched_on("DCOMM_EXAMPLE"), switched_on("DCOMM_UNSET")
-    (False, True)
+    >>> switched_on("DCOMM_EXAMPLE"), switched_on("DCOMM_UNSET"), switched_on("DCOMM_UNSET", default=False)
+    (False, True, False)
     >>> del os.environ["DCOMM_EXAMPLE"]
 """
 
@@ -21,6 +21,10 @@ __all__ = ["switched_on"]
 _OFF = ("0", "false", "no", "off")
 
 
-def switched_on(name: str) -> bool:
-    """Whether the variable ``name`` is unset or anything but ``0``/``false``/``no``/``off`` (any case, spaces)."""
-    return os.environ.get(name, "1").strip().lower() not in _OFF
+def switched_on(name: str, default: bool = True) -> bool:
+    """Whether the variable ``name`` is anything but ``0``/``false``/``no``/``off`` (any case, spaces).
+
+    ``default`` when it is unset.
+    """
+    value = os.environ.get(name)
+    return default if value is None else value.strip().lower() not in _OFF

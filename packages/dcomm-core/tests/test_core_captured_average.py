@@ -8,6 +8,12 @@ from dcomm.core import captured_average as captured
 from dcomm.core.captured_average import CAPTURE_AFTER, MAX_GRAPHS, CapturedAverages
 
 
+def _output_of(script: str) -> str:
+    """What ``script`` prints in a new interpreter (its stderr too: the assertion shows it)."""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    return done.stdout + done.stderr
+
+
 def test_a_key_is_due_after_its_eager_calls_and_never_again_once_captured() -> None:
     graphs = CapturedAverages("test")
     assert [graphs.due("bucket 0") for _ in range(CAPTURE_AFTER + 1)] == [False] * CAPTURE_AFTER + [True]
@@ -86,8 +92,7 @@ def test_release_all_clears_every_owner_and_runs_at_exit() -> None:
         "live['graphs'] = CapturedAverages('exit')\n"
         "live['graphs']._captured['key'] = object()\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
-    assert "graphs at exit: 0" in done.stdout, done.stdout + done.stderr
+    assert "graphs at exit: 0" in _output_of(script)
 
 
 def test_an_owner_off_by_default_captures_only_when_switched_on(monkeypatch) -> None:
@@ -112,5 +117,4 @@ def test_destroy_process_group_releases_the_graphs_first() -> None:
         "dist.destroy_process_group()\n"
         "print('graphs after destroy:', len(graphs))\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
-    assert "graphs after destroy: 0" in done.stdout, done.stdout + done.stderr
+    assert "graphs after destroy: 0" in _output_of(script)

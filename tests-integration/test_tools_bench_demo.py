@@ -14,7 +14,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAINING_CASES = ("ddp", "compression", "post-local-sgd", "zero", "fsdp", "fully_shard")
 EXPECTED_ROWS = {
-    "averaging": {"averaging", "averaging/flattened"},
+    "averaging": {"averaging", "averaging/flattened", "averaging/replayed"},
     "diloco": {"diloco"},
     "ddp": {
         "ddp/allreduce",

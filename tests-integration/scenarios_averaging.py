@@ -120,6 +120,8 @@ def scenario_averaging_in_place_coalesced(rank: int, world_size: int) -> None:
     flattened model (parameters carved back to back out of one buffer), which is one allreduce.
     Under gloo the same calls take the bucket path and must give the same answers.
     """
+    from dcomm.averaging import _in_place as in_place
+    from dcomm.averaging import _recipes as recipes
     from dcomm.averaging import parameters as impl
 
     on_nccl = dist.get_backend() == "nccl"
@@ -151,7 +153,7 @@ def scenario_averaging_in_place_coalesced(rank: int, world_size: int) -> None:
     params = build()
     pointers = [(p.data_ptr(), p.stride()) for p in params]
     calls: list[list[torch.Tensor]] = []
-    observed = impl._Paths(
+    observed = recipes._Paths(
         on_in_place=lambda tensors: calls.append(list(tensors)), pack_max_bytes=0, stage_below_bytes=0
     )
 
@@ -167,7 +169,7 @@ def scenario_averaging_in_place_coalesced(rank: int, world_size: int) -> None:
 
     # Small parameters packed, within PACK_MAX_BYTES per dtype (without Triton), same averages.
     packed = build()
-    averaged_without_memory(packed, impl._Paths(stage_below_bytes=0), 2 * impl.PACK_MAX_BYTES)
+    averaged_without_memory(packed, recipes._Paths(stage_below_bytes=0), 2 * in_place.PACK_MAX_BYTES)
     averaged_without_memory(params)
     assert [len(c) for c in calls] == ([151, 3] if on_nccl else []), "fp32 + bf16 in place on NCCL only"
     # The flattened model: one buffer, one allreduce of all of it, no extra memory.
@@ -205,11 +207,13 @@ def scenario_averaging_in_place_staged(rank: int, world_size: int) -> None:
     alternating halves, the peak extra memory within the cap (plus 1 MiB: the table itself). Under
     gloo the same calls take the bucket path and must give the same answers.
     """
+    from dcomm.averaging import _in_place as in_place
+    from dcomm.averaging import _recipes as recipes
     from dcomm.averaging import parameters as impl
     from dcomm.core import tensor_table
 
     on_nccl = dist.get_backend() == "nccl"
-    big = impl.STAGE_BELOW_BYTES // 4 + 1000  # fp32 elements: just above the threshold
+    big = in_place.STAGE_BELOW_BYTES // 4 + 1000  # fp32 elements: just above the threshold
     shapes = [(3 + i % 11, 5 + (7 * i) % 13) for i in range(300)] + [(2048, 129), (big,), (5,), (big + 3,)]
 
     def values(r: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -258,7 +262,7 @@ def scenario_averaging_in_place_staged(rank: int, world_size: int) -> None:
                 torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=f"{dtype} cap {cap_mb}: parameter {i}")
     if on_nccl and tensor_table.triton is not None:
         # The staged path was taken: the recipe of the last call holds a table.
-        (_, recipe), *_ = reversed(impl._RECIPES.values())
+        (_, recipe), *_ = reversed(recipes._RECIPES.values())
         assert any(table is not None for d in recipe.devices for table in d.tables), "nothing was staged"
 
 
@@ -277,12 +281,13 @@ def scenario_averaging_replayed_as_graphs(rank: int, world_size: int) -> None:
     """
     import os
 
-    from dcomm.averaging import parameters as impl
+    from dcomm.averaging import _in_place as in_place
+    from dcomm.averaging import _recipes as recipes
     from dcomm.core import captured_average
 
     on_nccl = dist.get_backend() == "nccl"
-    impl._GRAPHS.clear()  # earlier scenarios' graphs: counted from none
-    big = impl.STAGE_BELOW_BYTES // 4 + 333
+    recipes._GRAPHS.clear()  # earlier scenarios' graphs: counted from none
+    big = in_place.STAGE_BELOW_BYTES // 4 + 333
     specs = [((big,), torch.float32), ((64, 33), torch.float32), ((300,), torch.bfloat16)]
     specs += [((big // 2 + 7,), torch.bfloat16)]
     specs += [((5 + i % 7, 3), torch.float16) for i in range(40)] + [((17 + i,), torch.float32) for i in range(60)]
@@ -317,7 +322,7 @@ def scenario_averaging_replayed_as_graphs(rank: int, world_size: int) -> None:
         os.environ[captured_average.SWITCH] = "1"  # average_parameters' graphs are opt-in
         for call in range(20):
             check(call, torch.cuda.Stream() if on_nccl and call in (9, 10) else None)
-        graphs = impl._GRAPHS.get(torch.device(device())) if on_nccl else None
+        graphs = recipes._GRAPHS.get(torch.device(device())) if on_nccl else None
         if graphs is not None:
             assert len(graphs[0]) == 1, "the repeated average was never captured"
             assert graphs[0]._watched_calls >= 20 - captured_average.CAPTURE_AFTER - 1, "the graph was not replayed"
@@ -336,11 +341,11 @@ def scenario_averaging_replayed_as_graphs(rank: int, world_size: int) -> None:
         finally:
             os.environ[captured_average.SWITCH] = "1"
         if on_nccl:
-            assert len(impl._GRAPHS[torch.device(device())][0]) == 2, "captured while switched off"
+            assert len(recipes._GRAPHS[torch.device(device())][0]) == 2, "captured while switched off"
         # A group destroyed and replaced by a new one: the new group's calls are its own (never the
         # old communicator's graph), captured in turn; destroy_process_group releases every graph
         # first (a graph holding NCCL collectives alive through it hangs it).
-        registry = impl._GRAPHS[torch.device(device())][0] if on_nccl else None
+        registry = recipes._GRAPHS[torch.device(device())][0] if on_nccl else None
         for _ in range(2):
             subgroup = dist.new_group(list(range(world_size)))
             for call in range(32, 36):

@@ -11,6 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+import dcomm.averaging._in_place as in_place
+import dcomm.averaging._recipes as recipes
 import dcomm.averaging.parameters as impl
 from dcomm.averaging import flatten_parameters
 from dcomm_testing import run_ranks, seeded_mlp, seeded_normal
@@ -102,7 +104,7 @@ def _one_message(rank: int, world: int) -> None:
     expected = [p.detach().double() - rank + (world - 1) / 2 for p in model.parameters()]
     flatten_parameters(model)
     seen: list[list[torch.Tensor]] = []
-    paths = impl._Paths(True, impl._LAUNCH_MAX_TENSORS, seen.append, 0)
+    paths = recipes._Paths(True, in_place._LAUNCH_MAX_TENSORS, seen.append, 0)
     impl._average_parameters(model.parameters(), None, impl.DEFAULT_BUCKET_CAP_MB, paths)
     sizes = [[t.numel() for t in tensors] for tensors in seen]
     assert sizes == [[179], [10]], sizes  # float32: MLP 92, convolution 57, embedding 30; float64: 10

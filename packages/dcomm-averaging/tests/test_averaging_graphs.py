@@ -17,7 +17,7 @@ WORKER = textwrap.dedent(
     import os
     import torch
     import torch.distributed as dist
-    from dcomm.averaging import average_parameters, parameters
+    from dcomm.averaging import _recipes as recipes, average_parameters
 
     dist.init_process_group("nccl")
     rank = dist.get_rank()
@@ -27,7 +27,7 @@ WORKER = textwrap.dedent(
         average_parameters(params)
     torch.cuda.synchronize()
     assert all(torch.all(p == 0.5) for p in params), [p[:3] for p in params]
-    assert len(parameters._GRAPHS[params[0].device][0]) == 1, "nothing was captured"
+    assert len(recipes._GRAPHS[params[0].device][0]) == 1, "nothing was captured"
     if os.environ["DESTROY"] == "1":
         dist.destroy_process_group()
     print("done", rank, flush=True)

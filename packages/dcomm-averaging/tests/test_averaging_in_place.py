@@ -18,6 +18,9 @@ import torch.distributed as dist
 import torch.distributed.algorithms.model_averaging.utils as torch_utils
 from test_averaging_parameters import MIB, SPECS, AllocationTracker, assert_averaged, exact_mean, make_params
 
+import dcomm.averaging._in_place as in_place
+import dcomm.averaging._layout as layout
+import dcomm.averaging._recipes as recipes
 import dcomm.averaging.parameters as impl
 from dcomm.averaging import average_parameters
 from dcomm.core import reduced_by_nccl
@@ -32,7 +35,7 @@ def forced(
     group: Any = None,
     *,
     calls: list[list[torch.Tensor]] | None = None,
-    launch_max_tensors: int = impl._LAUNCH_MAX_TENSORS,
+    launch_max_tensors: int = in_place._LAUNCH_MAX_TENSORS,
     bucket_cap_mb: float = impl.DEFAULT_BUCKET_CAP_MB,
     pack_max_bytes: int = 0,
 ) -> None:
@@ -40,7 +43,7 @@ def forced(
 
     Small parameters are not packed unless ``pack_max_bytes`` says so (see test_small_ones_packed).
     """
-    paths = impl._Paths(True, launch_max_tensors, None if calls is None else calls.append, pack_max_bytes)
+    paths = recipes._Paths(True, launch_max_tensors, None if calls is None else calls.append, pack_max_bytes)
     impl._average_parameters(params, group, bucket_cap_mb, paths)
 
 
@@ -53,7 +56,7 @@ def _in_place_checks(rank: int, world: int) -> None:
 
     # Mixed dtypes and a channels-last layout, in place, against the float64 mean: no parameter
     # moved, not one byte allocated (no bucket, no flat copy), whatever the launch sizes.
-    for limit in [impl._LAUNCH_MAX_TENSORS, 3, 1]:
+    for limit in [in_place._LAUNCH_MAX_TENSORS, 3, 1]:
         for specs, seed in [(SPECS, 0), (MANY, 1)]:
             params = make_params(rank, specs, seed)
             before = _pointers(params)
@@ -97,7 +100,7 @@ def _in_place_checks(rank: int, world: int) -> None:
     params = make_params(rank, [((6,), torch.float32, False)] * 4, seed=9)
     before = [p.data_ptr() for p in params]
     with torch.no_grad():
-        impl._average_in_place(list(params), dist.group.WORLD)
+        in_place._average_in_place(list(params), dist.group.WORLD)
     assert [p.data_ptr() for p in params] == before
     assert_averaged(params, exact_mean(everyone, [((6,), torch.float32, False)] * 4, seed=9))
 
@@ -153,11 +156,11 @@ def _sizes(chunks: Iterator[list[torch.Tensor]]) -> list[list[int]]:
 
 
 def _merged(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return impl._merged(tensors, impl._adjacent_runs(tensors, [(t.data_ptr(), t.nbytes) for t in tensors]))
+    return layout._merged(tensors, layout._adjacent_runs(tensors, [(t.data_ptr(), t.nbytes) for t in tensors]))
 
 
 def _overlap(tensors: list[torch.Tensor]) -> bool:
-    return impl._overlap([(t.data_ptr(), t.nbytes) for t in tensors])
+    return layout._overlap([(t.data_ptr(), t.nbytes) for t in tensors])
 
 
 def _launches_checks(rank: int, world: int) -> None:
@@ -221,13 +224,13 @@ def _packing_checks(rank: int, world: int) -> None:
     # the grouped launch holds the large ones (and small ones that did not fit); the packed small
     # ones follow it as one allreduce of their own.
     cases = [
-        (impl.PACK_MAX_BYTES, [64 * 300, 129 * 128], [7 + 15 + 11, 9 + 6, 5 + 6]),
+        (in_place.PACK_MAX_BYTES, [64 * 300, 129 * 128], [7 + 15 + 11, 9 + 6, 5 + 6]),
         (100, [64 * 300, 129 * 128, 11], [7 + 15, 9 + 6, 5 + 6]),  # 11 floats don't fit
         (4, [64 * 300, 7, 15, 129 * 128, 11], []),  # nothing fits: nothing packed or allocated
     ]
     # bucket_cap_mb bounds the pack too: 100 bytes of bucket pack as a 100-byte cap does.
     cases = [(cap, launch, packed, impl.DEFAULT_BUCKET_CAP_MB) for cap, launch, packed in cases]
-    cases.append((impl.PACK_MAX_BYTES, cases[1][1], cases[1][2], 100 / MIB))
+    cases.append((in_place.PACK_MAX_BYTES, cases[1][1], cases[1][2], 100 / MIB))
     for cap, fp32_launch, packed, bucket_mb in cases:
         params = make_params(rank, PACKING, seed=21)
         before = _pointers(params)
@@ -286,7 +289,8 @@ def _recipe_checks(rank: int, world: int) -> None:
     everyone = list(range(world))
     prepared: list[int] = []
     densified: list[int] = []
-    real, real_dense = impl._prepare, impl._dense
+    # Patched where they are looked up: parameters calls _prepare, the recipes call _dense.
+    real, real_dense = impl._prepare, recipes._dense
 
     def counting(*args: Any) -> Any:
         prepared.append(1)
@@ -297,11 +301,11 @@ def _recipe_checks(rank: int, world: int) -> None:
         return real_dense(param)
 
     impl._prepare = counting  # type: ignore[assignment]
-    impl._dense = counting_dense  # type: ignore[assignment]
+    recipes._dense = counting_dense  # type: ignore[assignment]
     try:
         for path in (True, False):  # in place (forced) and the buckets
             params = make_params(rank, SPECS, seed=31)
-            paths = impl._Paths(in_place=path)
+            paths = recipes._Paths(in_place=path)
             prepared.clear()
             densified.clear()
             impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, paths)
@@ -336,26 +340,26 @@ def _recipe_checks(rank: int, world: int) -> None:
             impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, paths)
             assert len(prepared) == 4
             # The kept recipes are bounded: the least recently used goes first.
-            kept, impl._RECIPES_KEPT = impl._RECIPES_KEPT, 3
+            kept, recipes._RECIPES_KEPT = recipes._RECIPES_KEPT, 3
             try:
                 lists = [params[:count] for count in range(2, 7)]
                 for some in lists:
                     impl._average_parameters(some, None, impl.DEFAULT_BUCKET_CAP_MB, paths)
-                assert len(impl._RECIPES) == 3
+                assert len(recipes._RECIPES) == 3
                 before = len(prepared)
                 impl._average_parameters(lists[-1], None, impl.DEFAULT_BUCKET_CAP_MB, paths)
                 assert len(prepared) == before, "a recent recipe was dropped"
                 impl._average_parameters(lists[0], None, impl.DEFAULT_BUCKET_CAP_MB, paths)
                 assert len(prepared) == before + 1, "an old recipe was kept past the bound"
             finally:
-                impl._RECIPES_KEPT = kept
+                recipes._RECIPES_KEPT = kept
         # A bad parameter still raises on every call, before any collective.
         bad = [torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))]
         for _ in range(2):
             with pytest.raises(ValueError, match="complex"):
                 average_parameters(bad, None)
     finally:
-        impl._prepare, impl._dense = real, real_dense  # type: ignore[assignment]
+        impl._prepare, recipes._dense = real, real_dense  # type: ignore[assignment]
 
 
 def test_recipe_reused_while_parameters_keep_their_storage() -> None:

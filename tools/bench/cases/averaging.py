@@ -66,9 +66,9 @@ def build_raw_allreduce(ctx: Context, calls: int) -> Variant:
 
 def graph_reserved_mib(device: torch.device) -> float:
     """Device memory that dcomm's averaging graphs on ``device`` hold (reserved while they live)."""
-    from dcomm.averaging import parameters
+    from dcomm.averaging import _recipes as recipes
 
-    kept = parameters._GRAPHS.get(device)
+    kept = recipes._GRAPHS.get(device)
     return round(kept[0].reserved_bytes / 2**20, 1) if kept is not None else 0.0
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dcomm.averaging.parameters import memory_order_view
+from dcomm.averaging._layout import memory_order_view
 
 __all__ = ["flatten_parameters"]
 

@@ -1,0 +1,304 @@
+"""What one :func:`dcomm.averaging.average_parameters` call decides, kept for the next call, and replayed.
+
+The checks and path decisions of a call (a recipe: indices, staging tables, never a parameter)
+are kept while the next call passes the same parameters in the same storage, so a periodic
+averager pays them once; with ``DCOMM_CUDA_GRAPHS=1`` the in-place average of a kept recipe is
+captured once as a CUDA graph and replayed (:func:`_replayed`).
+
+Example::
+
+    >>> _Paths().stage_below_bytes == 2**20
+    True
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from dcomm.averaging._buckets import _average_group, _Staging
+from dcomm.averaging._in_place import (
+    _LAUNCH_MAX_TENSORS,
+    PACK_MAX_BYTES,
+    STAGE_BELOW_BYTES,
+    _average_in_place,
+    _small_ones,
+    _staged_ones,
+)
+from dcomm.averaging._layout import _adjacent_runs, _dense, _flat_view, _merged, _overlap
+from dcomm.core import reduced_by_nccl
+from dcomm.core.captured_average import CapturedAverages
+from dcomm.core.tensor_table import TensorTable
+
+
+class _Paths(NamedTuple):
+    """How :func:`average_parameters` picks and sizes its paths (tests pass other values).
+
+    ``in_place``: None takes the in-place path exactly where NCCL reduces (NCCL's coalesced
+    allreduce reduces each tensor in its own storage; gloo's flattens into a copy, and CPU tensors
+    are better served by the buckets); True or False forces it. ``on_in_place`` sees the tensors
+    of every in-place call (before the small ones are staged or packed); ``pack_max_bytes`` 0
+    packs none; ``stage_below_bytes`` 0 stages none (the small ones are packed, as without Triton);
+    ``stage_run_bytes`` is set per call (half the cap: the most one staged run holds); ``graphs``
+    False never replays a CUDA graph (see :func:`_replayed`).
+    """
+
+    in_place: bool | None = None
+    launch_max_tensors: int = _LAUNCH_MAX_TENSORS
+    on_in_place: Callable[[list[torch.Tensor]], None] | None = None
+    pack_max_bytes: int = PACK_MAX_BYTES
+    stage_below_bytes: int = STAGE_BELOW_BYTES
+    stage_run_bytes: int = 0
+    graphs: bool = True
+
+
+def _check_device(device: torch.device, group: dist.ProcessGroup) -> None:
+    if device.type == "cpu" and str(dist.get_backend(group)) == "nccl":
+        raise ValueError(
+            "params: a parameter is on the CPU but process_group uses the 'nccl' backend, which "
+            "only reduces GPU tensors; move the parameters to the GPU or create the group with "
+            "backend='cpu:gloo,cuda:nccl'"
+        )
+
+
+def _checked(param: torch.Tensor) -> None:
+    """Refuse, before any collective, a parameter that cannot be averaged (its device: see _by_device)."""
+    if param.layout != torch.strided:
+        raise ValueError(
+            f"params: a parameter of shape {tuple(param.shape)} has the {param.layout} layout; "
+            "average_parameters averages dense tensors: convert it with param.data = param.data.to_dense()"
+        )
+    if param.device.type == "meta":
+        raise ValueError(
+            f"params: a parameter of shape {tuple(param.shape)} is on the meta device and holds no data; "
+            "materialize the model first (model.to_empty(device=...) and load its weights)"
+        )
+    if param.is_complex():
+        raise ValueError(
+            f"params: a parameter has the complex dtype {param.dtype}; average its real view instead "
+            "(torch.view_as_real(param))"
+        )
+    if param.is_floating_point() and not param.is_contiguous():
+        # A layout with gaps or overlaps raises here, not when its device's turn comes: with
+        # parameters on several devices, another device would already have been averaged.
+        _flat_view(param)
+
+
+def _by_device(
+    params: list[torch.Tensor], group: dist.ProcessGroup
+) -> tuple[dict[torch.device, list[list[int]]], list[int]]:
+    """Indices of the floating-point parameters by device, then dtype, each checked; of the integer ones.
+
+    Raises ``ValueError`` on this rank, before any collective, for an empty ``params`` (torch
+    raises there too) or a parameter that cannot be averaged (sparse, meta, complex, CPU on NCCL).
+    Integer and bool tensors (BatchNorm's ``num_batches_tracked``) go to :func:`_average_integers`.
+    """
+    if not params:
+        raise ValueError(
+            "params: got no parameters on this rank, so its peers would wait for it in the allreduce; "
+            "pass the same non-empty parameters on every rank of the group (for param groups, only "
+            "parameters with a gradient are averaged: call it after backward)"
+        )
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    integers: list[int] = []
+    seen: set[int] = set()
+    for index, param in enumerate(params):
+        _checked(param)
+        if id(param) in seen or param.numel() == 0:
+            continue
+        seen.add(id(param))
+        if not param.is_floating_point():
+            integers.append(index)
+            continue
+        by_kind.setdefault((param.device, param.dtype), []).append(index)
+    for device in {device for device, _ in by_kind} | {params[i].device for i in integers}:
+        _check_device(device, group)  # once per device: a c10d query per parameter costs host time
+    by_device: dict[torch.device, list[list[int]]] = {}
+    for (device, _), indices in by_kind.items():
+        by_device.setdefault(device, []).append(indices)
+    return by_device, integers
+
+
+class _DeviceRecipe(NamedTuple):
+    """One device's parameters: indices per dtype; for the in-place path, per dtype, their back-to-back
+    runs (None where every run is one tensor), which of the merged tensors to stage (:func:`_staged_ones`,
+    with their table) or else to pack (:func:`_small_ones`, no table); whether NCCL reduces them
+    (then their average may be replayed as a CUDA graph: :func:`_replayed`)."""
+
+    device: torch.device
+    groups: list[list[int]]
+    in_place: bool
+    runs: list[list[tuple[int, int]] | None]
+    small: list[list[int]]
+    tables: list[TensorTable | None]
+    by_nccl: bool
+
+
+class _Recipe(NamedTuple):
+    """What :func:`_prepare` decided for one list of parameters: indices and staging tables, never a parameter.
+
+    A table holds the staged parameters' addresses, which the call key pins (their ``data_ptr``).
+    """
+
+    devices: list[_DeviceRecipe]
+    integers: list[int]
+
+
+_RECIPES: collections.OrderedDict[int, tuple[tuple[Any, ...], _Recipe]] = collections.OrderedDict()
+"""The recipes of the last calls by the hash of their key, most recent last (a periodic averager
+passes the same parameters; several parameter lists, or several groups, are averaged in turn)."""
+
+_RECIPES_KEPT = 16
+
+_dtype_of = operator.attrgetter("dtype")
+
+
+def _call_key(params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Paths) -> tuple[Any, ...] | None:
+    """What must not change for a recipe to hold: the parameters, their storage, dtype and size, the paths.
+
+    Flat tuples, cheap to build and hash (a recipe depends on each parameter's address and byte
+    count, not on its shape). None when a parameter has no storage address (sparse): such calls
+    are prepared every time.
+    """
+    try:
+        pointers = tuple(map(torch.Tensor.data_ptr, params))
+    except RuntimeError:
+        return None
+    sizes = tuple(map(torch.Tensor.numel, params))
+    return (id(group), paths, tuple(map(id, params)), pointers, sizes, tuple(map(_dtype_of, params)))
+
+
+def _recipe_for(key: tuple[Any, ...] | None) -> tuple[int | None, _Recipe | None]:
+    """The kept recipe of ``key`` (None if there is none) and the key's hash (computed once per call)."""
+    if key is None:
+        return None, None
+    digest = hash(key)
+    kept = _RECIPES.get(digest)
+    return digest, (kept[1] if kept is not None and kept[0] == key else None)
+
+
+def _keep(digest: int, key: tuple[Any, ...], recipe: _Recipe) -> None:
+    _RECIPES[digest] = (key, recipe)
+    _RECIPES.move_to_end(digest)
+    while len(_RECIPES) > _RECIPES_KEPT:
+        evicted, _ = _RECIPES.popitem(last=False)
+        _forget_graphs(evicted)
+
+
+_GRAPHS: dict[torch.device, tuple[CapturedAverages, Any]] = {}
+"""Per device, the graphs of the kept recipes' in-place averages (keyed by the recipe's digest) and
+the side stream they replay on."""
+
+
+def _forget_graphs(digest: int) -> None:
+    """Drop the graphs of ``digest``'s recipe (replaced or evicted: its tables may be freed)."""
+    for graphs, _ in _GRAPHS.values():
+        graphs.forget(digest)
+
+
+def _replayed(digest: int | None, recipe: _DeviceRecipe, group: dist.ProcessGroup, average: Callable[[], None]) -> bool:
+    """Run one device's in-place average as a CUDA graph where one is captured or due; whether it did.
+
+    The same parameters averaged again cost the same kernels and collectives every call: on
+    models of many tensors their host time is most of the call (4x H200: a ResNet-34's 110
+    tensors 1.84x a raw allreduce of the same bytes, replayed 1.14x). With ``DCOMM_CUDA_GRAPHS=1``
+    (opt-in, alike on every rank), from the third call with the same recipe (``digest``) the
+    average is captured once and replayed; every eighth call stays eager so that the NCCL
+    watchdog keeps seeing a collective (see :mod:`dcomm.core.captured_average`). The graph holds
+    at most the staging of the small parameters (``bucket_cap_mb``) while its recipe is kept.
+    It also holds ``group``: the call key names the group by ``id``, and a group destroyed and
+    replaced by a new one at the same address would otherwise replay the old communicator.
+    """
+    if digest is None or not (recipe.in_place and recipe.by_nccl) or torch.cuda.is_current_stream_capturing():
+        return False
+    kept = _GRAPHS.get(recipe.device)
+    if kept is None:
+        kept = _GRAPHS[recipe.device] = (
+            CapturedAverages("average_parameters", max_graphs=_RECIPES_KEPT, on_by_default=False),
+            torch.cuda.Stream(recipe.device),
+        )
+    graphs, stream = kept
+    work = graphs.replay(digest, stream, watched=True)
+    if work is None and graphs.due(digest):
+
+        def captured() -> int:
+            average()
+            return 0
+
+        work = graphs.capture(digest, captured, stream, keep=(recipe, group))
+    if work is None:
+        return False
+    work.wait()
+    return True
+
+
+def _prepare(
+    params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Paths
+) -> tuple[_Recipe, dict[torch.device, list[list[torch.Tensor]]]]:
+    """Check every parameter and decide each device's path (raises before any collective).
+
+    ``paths.pack_max_bytes`` must already be bounded by the bucket cap. Also returns the dense
+    views it made of the in-place devices' parameters, for this call only (the recipe, which is
+    kept, holds indices).
+    """
+    by_device, integers = _by_device(params, group)
+    devices = []
+    dense: dict[torch.device, list[list[torch.Tensor]]] = {}
+    for device, groups in by_device.items():
+        by_nccl = reduced_by_nccl(group, device)
+        in_place = by_nccl if paths.in_place is None else paths.in_place
+        runs: list[list[tuple[int, int]] | None] = []
+        small: list[list[int]] = []
+        tables: list[TensorTable | None] = []
+        if in_place:
+            tensors = dense[device] = [[_dense(params[i]) for i in indices] for indices in groups]
+            spans = [[(t.data_ptr(), t.nbytes) for t in ts] for ts in tensors]
+            in_place = not _overlap([span for group_spans in spans for span in group_spans])
+        if in_place:
+            for ts, sp in zip(tensors, spans, strict=True):
+                group_runs = _adjacent_runs(ts, sp)
+                merged = _merged(ts, group_runs)
+                runs.append(group_runs if len(merged) < len(ts) else None)
+                staged, table = _staged_ones(merged, paths.stage_below_bytes, paths.stage_run_bytes)
+                small.append(staged if table is not None else _small_ones(merged, paths.pack_max_bytes))
+                tables.append(table)
+        devices.append(_DeviceRecipe(device, groups, in_place, runs, small, tables, by_nccl))
+    return _Recipe(devices, integers), dense
+
+
+def _average_on_device(
+    recipe: _DeviceRecipe,
+    params: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    cap_bytes: float,
+    paths: _Paths,
+    groups: list[list[torch.Tensor]] | None = None,
+) -> None:
+    """Average one device's parameters (one list per dtype) in place, or else through buckets.
+
+    ``groups``: their dense views when :func:`_prepare` has just made them, else None.
+    """
+    if groups is None:
+        groups = [[_dense(params[i]) for i in indices] for indices in recipe.groups]
+    if recipe.in_place:
+        for tensors, runs, small, table in zip(groups, recipe.runs, recipe.small, recipe.tables, strict=True):
+            merged = tensors if runs is None else _merged(tensors, runs)
+            if paths.on_in_place is not None:
+                paths.on_in_place(merged)
+            staged = None if table is None else (table, cap_bytes)
+            _average_in_place(merged, group, paths.launch_max_tensors, small, staged)
+        return
+    flat_groups = [[t if t.dim() == 1 else t.view(-1) for t in ts] for ts in groups]
+    staging = _Staging(
+        recipe.device,
+        max(sum(f.numel() for f in flats) * flats[0].element_size() for flats in flat_groups),
+        max(flats[0].element_size() for flats in flat_groups),
+        cap_bytes,
+    )
+    for flats in flat_groups:
+        _average_group(flats, group, staging)

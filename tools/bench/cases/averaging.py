@@ -5,7 +5,7 @@ a periodic averager: 10 calls below 64 MiB, else 2): torch's and dcomm's ``avera
 over separate tensors of the workload's shapes, dcomm's over the same tensors carved out of one
 buffer, and one flat allreduce of the same number of elements (the reference); ``dcomm replayed``
 is dcomm's call with its CUDA graphs switched on (``DCOMM_CUDA_GRAPHS=1``, opt-in; the other dcomm
-variants run with them off). On CUDA, dcomm's variants report the memory that CUDA graphs
+variants run with them off). On CUDA, ``dcomm replayed`` reports the memory that CUDA graphs
 captured since the variant was built hold (``graph MiB held``: what this workload's averages
 added to the graphs' shared pool), which the peak extra memory of a timed step does not show.
 
@@ -86,7 +86,7 @@ def build_average_parameters(
             for _ in range(calls):
                 average_parameters(iter(params), group)
 
-    if impl != "dcomm" or ctx.device.type != "cuda":
+    if not replayed or ctx.device.type != "cuda":
         return Variant(step)
     held_before = graph_reserved_mib(ctx.device)  # earlier cases' graphs share the pool
     return Variant(step, details=lambda: {"graph MiB held": round(graph_reserved_mib(ctx.device) - held_before, 1)})

@@ -32,7 +32,8 @@ from dcomm.averaging._in_place import (
 )
 from dcomm.averaging._layout import _adjacent_runs, _dense, _flat_view, _merged, _overlap
 from dcomm.core import reduced_by_nccl
-from dcomm.core.captured_average import CapturedAverages
+from dcomm.core.captured_average import SWITCH, CapturedAverages
+from dcomm.core.environment import switched_on
 from dcomm.core.tensor_table import TensorTable
 
 
@@ -183,12 +184,24 @@ def _recipe_for(key: tuple[Any, ...] | None) -> tuple[int | None, _Recipe | None
 
 
 def _keep(digest: int, key: tuple[Any, ...], recipe: _Recipe) -> None:
+    """Keep ``recipe`` as the most recent; a graph lives only as long as its recipe is kept.
+
+    A recipe replaced under its digest (another key with the same hash) or evicted past the bound
+    takes its graphs with it: they touch its tables and its parameters' memory.
+    """
+    replaced = _RECIPES.get(digest)
+    if replaced is not None and replaced[1] is not recipe:
+        _forget_graphs(digest)
     _RECIPES[digest] = (key, recipe)
     _RECIPES.move_to_end(digest)
     while len(_RECIPES) > _RECIPES_KEPT:
         evicted, _ = _RECIPES.popitem(last=False)
         _forget_graphs(evicted)
 
+
+_GRAPHS_BY_DEFAULT = False
+"""Averages are replayed only with ``DCOMM_CUDA_GRAPHS=1`` until their release before
+``destroy_process_group`` has run on GPUs (see :func:`dcomm.core.captured_average.release_all`)."""
 
 _GRAPHS: dict[torch.device, tuple[CapturedAverages, Any]] = {}
 """Per device, the graphs of the kept recipes' in-place averages (keyed by the recipe's digest) and
@@ -214,12 +227,14 @@ def _replayed(digest: int | None, recipe: _DeviceRecipe, group: dist.ProcessGrou
     It also holds ``group``: the call key names the group by ``id``, and a group destroyed and
     replaced by a new one at the same address would otherwise replay the old communicator.
     """
-    if digest is None or not (recipe.in_place and recipe.by_nccl) or torch.cuda.is_current_stream_capturing():
+    if digest is None or not (recipe.in_place and recipe.by_nccl) or not switched_on(SWITCH, _GRAPHS_BY_DEFAULT):
+        return False  # off (the default): no registry, no side stream, nothing more per call
+    if torch.cuda.is_current_stream_capturing():
         return False
     kept = _GRAPHS.get(recipe.device)
     if kept is None:
         kept = _GRAPHS[recipe.device] = (
-            CapturedAverages("average_parameters", max_graphs=_RECIPES_KEPT, on_by_default=False),
+            CapturedAverages("average_parameters", max_graphs=_RECIPES_KEPT, on_by_default=_GRAPHS_BY_DEFAULT),
             torch.cuda.Stream(recipe.device),
         )
     graphs, stream = kept

@@ -53,7 +53,6 @@ import torch.distributed as dist
 from dcomm.averaging._recipes import (
     _average_on_device,
     _call_key,
-    _forget_graphs,
     _keep,
     _Paths,
     _prepare,
@@ -123,8 +122,6 @@ def _average_parameters(
     dense: dict[torch.device, list[list[torch.Tensor]]] = {}
     if recipe is None:
         recipe, dense = _prepare(params, group, paths)
-        if digest is not None:
-            _forget_graphs(digest)  # a graph of another recipe with this digest touches other memory
     if key is not None and digest is not None:
         _keep(digest, key, recipe)
     graph_key = digest if paths.graphs else None

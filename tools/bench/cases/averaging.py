@@ -1,7 +1,8 @@
 """Parameter averaging of the workload's parameters: ``average_parameters`` vs a raw allreduce.
 
 Every variant averages the same bytes several times per step (back to back, the throughput of
-a periodic averager: 10 calls below 64 MiB, else 2): torch's and dcomm's ``average_parameters``
+a periodic averager: 10 calls below 64 MiB, else 5, so that the first call's host time, which a
+training step's queued kernels would hide, is a small part of the step): torch's and dcomm's ``average_parameters``
 over separate tensors of the workload's shapes, dcomm's over the same tensors carved out of one
 buffer, and one flat allreduce of the same number of elements (the reference); ``dcomm replayed``
 is dcomm's call with its CUDA graphs switched on (``DCOMM_CUDA_GRAPHS=1``, opt-in; the other dcomm
@@ -18,14 +19,14 @@ Example::
 
 from __future__ import annotations
 
-import os
-import unittest.mock
+import contextlib
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from dcomm.core.captured_average import SWITCH
+from dcomm.core.environment import variable_set
 from tools.bench.ab import Case, Pair, Variant
 from tools.bench.cases.common import Context
 from tools.impls import resolve
@@ -34,8 +35,8 @@ __all__ = ["averaging_case", "calls_per_step"]
 
 
 def calls_per_step(nbytes: int) -> int:
-    """Back-to-back averaging calls per timed step: enough to hide one call's start, few on big models."""
-    return 10 if nbytes < 64 * 2**20 else 2
+    """Back-to-back averaging calls per timed step: enough to hide one call's start, fewer on big models."""
+    return 10 if nbytes < 64 * 2**20 else 5
 
 
 def parameter_shapes(ctx: Context) -> list[torch.Size]:
@@ -79,10 +80,12 @@ def build_average_parameters(
     average_parameters = resolve(impl, "average_parameters")
     params = averaged_tensors(ctx, flattened)
     group = dist.group.WORLD
-    switch = {SWITCH: "1" if replayed else "0"} if impl == "dcomm" else {}
+    switch = "1" if replayed else "0"
 
     def step() -> None:
-        with unittest.mock.patch.dict(os.environ, switch):
+        # Only the switch is set: unittest.mock.patch.dict(os.environ, ...) rewrote the whole
+        # environment per step, up to a millisecond on the GPU hosts, more than some averages.
+        with variable_set(SWITCH, switch) if impl == "dcomm" else contextlib.nullcontext():
             for _ in range(calls):
                 average_parameters(iter(params), group)
 

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 import dcomm.ddp._torch_private as private
 from dcomm.core import resolve_group
-from dcomm.core.environment import switched_on
+from dcomm.core.environment import switched_on, variable_set
 from dcomm.ddp.default_hooks import (
     _cached_plan,
     _in_place_plan,
@@ -101,22 +101,8 @@ def switched(on: bool) -> Iterator[None]:
         >>> with switched(False):  # doctest: +SKIP
         ...     ddp_model.register_comm_hook(None, bf16_compress_hook)  # a Python hook
     """
-    with _environment_variable(ENV_SWITCH, "1" if on else "0"):
+    with variable_set(ENV_SWITCH, "1" if on else "0"):
         yield
-
-
-@contextlib.contextmanager
-def _environment_variable(name: str, value: str) -> Iterator[None]:
-    """``os.environ[name] = value`` inside the block; the variable is restored (or removed) after."""
-    saved = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = saved
 
 
 STALE_BUILD_S = 180.0
@@ -242,7 +228,7 @@ def _ninja_on_path() -> Iterator[None]:
     except ImportError:
         yield
         return
-    with _environment_variable("PATH", BIN_DIR + os.pathsep + os.environ.get("PATH", "")):
+    with variable_set("PATH", BIN_DIR + os.pathsep + os.environ.get("PATH", "")):
         yield
 
 

@@ -276,7 +276,7 @@ def scenario_averaging_replayed_as_graphs(rank: int, world_size: int) -> None:
     graph, the eager ones every eighth call, calls made on a side stream, and after a parameter
     is replaced (a new recipe, captured in turn), under ``DCOMM_CUDA_GRAPHS=0`` (nothing captured),
     over a new group after its predecessor was destroyed (which releases every graph first), and
-    not at all with the switch unset (opt-in). Under gloo
+    with the switch set to ``1`` as with it unset (on by default). Under gloo
     the same calls take the bucket path and must give the same answers.
     """
     import os
@@ -319,7 +319,7 @@ def scenario_averaging_replayed_as_graphs(rank: int, world_size: int) -> None:
         assert counter.item() == sum(10 * call + r for r in range(world_size)) // world_size, f"call {call}: counter"
 
     try:
-        os.environ[captured_average.SWITCH] = "1"  # average_parameters' graphs are opt-in
+        os.environ.pop(captured_average.SWITCH, None)  # unset: on by default
         for call in range(20):
             check(call, torch.cuda.Stream() if on_nccl and call in (9, 10) else None)
         graphs = recipes._GRAPHS.get(torch.device(device())) if on_nccl else None
@@ -339,7 +339,7 @@ def scenario_averaging_replayed_as_graphs(rank: int, world_size: int) -> None:
             for call in range(28, 32):
                 check(call)  # switched off: a third recipe, never captured
         finally:
-            os.environ[captured_average.SWITCH] = "1"
+            del os.environ[captured_average.SWITCH]
         if on_nccl:
             assert len(recipes._GRAPHS[torch.device(device())][0]) == 2, "captured while switched off"
         # A group destroyed and replaced by a new one: the new group's calls are its own (never the
@@ -356,11 +356,11 @@ def scenario_averaging_replayed_as_graphs(rank: int, world_size: int) -> None:
             del subgroup
             if registry is not None:
                 assert len(registry) == 0, "a graph outlived destroy_process_group"
-        del os.environ[captured_average.SWITCH]  # unset: off by default
+        os.environ[captured_average.SWITCH] = "1"  # on, as by default
         for call in range(36, 40):
             check(call, group=None)
         if registry is not None:
-            assert len(registry) == 0, "captured while not switched on"
+            assert len(registry) == 1, "not captured with the switch on"
     finally:
         os.environ.pop(captured_average.SWITCH, None)
 

@@ -14,7 +14,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAINING_CASES = ("ddp", "compression", "post-local-sgd", "zero", "fsdp", "fully_shard")
 EXPECTED_ROWS = {
-    "averaging": {"averaging", "averaging/flattened", "averaging/replayed"},
+    "averaging": {"averaging", "averaging/flattened", "averaging/eager"},
     "diloco": {"diloco"},
     "ddp": {
         "ddp/allreduce",

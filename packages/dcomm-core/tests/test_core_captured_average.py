@@ -103,18 +103,26 @@ def test_an_owner_off_by_default_captures_only_when_switched_on(monkeypatch) -> 
     assert [graphs.due("params") for _ in range(CAPTURE_AFTER + 1)][-1] is True
 
 
-def test_destroy_process_group_releases_the_graphs_first() -> None:
-    # A live graph holding NCCL collectives hangs destroy_process_group: the wrapped one releases
-    # every graph before torch's runs (here with gloo and a stand-in graph).
+def test_destroy_process_group_releases_the_graphs_first_however_it_was_imported() -> None:
+    # A live graph holding NCCL collectives hangs destroy_process_group: every process group's
+    # shutdown releases the graphs before torch's runs, also through a destroy_process_group
+    # imported before dcomm (the DDP tutorial's form), for a subgroup and for the world (here
+    # with gloo and stand-in graphs).
     script = (
         "import os, tempfile\n"
-        "import torch.distributed as dist\n"
+        "from torch.distributed import destroy_process_group, init_process_group, new_group\n"
         "from dcomm.core.captured_average import CapturedAverages\n"
         "graphs = CapturedAverages('destroy')\n"
         "store = os.path.join(tempfile.mkdtemp(), 'store')\n"
-        "dist.init_process_group('gloo', init_method='file://' + store, rank=0, world_size=1)\n"
+        "init_process_group('gloo', init_method='file://' + store, rank=0, world_size=1)\n"
+        "subgroup = new_group([0])\n"
         "graphs._captured['key'] = object()\n"
-        "dist.destroy_process_group()\n"
-        "print('graphs after destroy:', len(graphs))\n"
+        "destroy_process_group(subgroup)\n"
+        "print('graphs after the subgroup:', len(graphs))\n"
+        "graphs._captured['key'] = object()\n"
+        "destroy_process_group()\n"
+        "print('graphs after the world:', len(graphs))\n"
     )
-    assert "graphs after destroy: 0" in _output_of(script)
+    output = _output_of(script)
+    assert "graphs after the subgroup: 0" in output
+    assert "graphs after the world: 0" in output

@@ -4,11 +4,11 @@ Every variant averages the same bytes several times per step (back to back, the 
 a periodic averager: 10 calls below 64 MiB, else 5, so that the first call's host time, which a
 training step's queued kernels would hide, is a small part of the step): torch's and dcomm's ``average_parameters``
 over separate tensors of the workload's shapes, dcomm's over the same tensors carved out of one
-buffer, and one flat allreduce of the same number of elements (the reference); ``dcomm replayed``
-is dcomm's call with its CUDA graphs switched on (``DCOMM_CUDA_GRAPHS=1``, opt-in; the other dcomm
-variants run with them off). On CUDA, ``dcomm replayed`` reports the memory that CUDA graphs
-captured since the variant was built hold (``graph MiB held``: what this workload's averages
-added to the graphs' shared pool), which the peak extra memory of a timed step does not show.
+buffer, and one flat allreduce of the same number of elements (the reference); ``dcomm eager``
+is dcomm's call with its CUDA graphs switched off (``DCOMM_CUDA_GRAPHS=0``; on by default). On
+CUDA, ``dcomm`` reports the memory that CUDA graphs captured since the variant was built hold
+(``graph MiB held``: what this workload's averages added to the graphs' shared pool), which the
+peak extra memory of a timed step does not show.
 
 Example::
 
@@ -74,22 +74,21 @@ def graph_reserved_mib(device: torch.device) -> float:
 
 
 def build_average_parameters(
-    ctx: Context, impl: str, calls: int, flattened: bool = False, replayed: bool = False
+    ctx: Context, impl: str, calls: int, flattened: bool = False, eager: bool = False
 ) -> Variant:
-    """``impl``'s average_parameters, ``calls`` times per step; ``replayed``: dcomm's CUDA graphs on (opt-in)."""
+    """``impl``'s average_parameters, ``calls`` times per step; ``eager``: dcomm's CUDA graphs off."""
     average_parameters = resolve(impl, "average_parameters")
     params = averaged_tensors(ctx, flattened)
     group = dist.group.WORLD
-    switch = "1" if replayed else "0"
 
     def step() -> None:
         # Only the switch is set: unittest.mock.patch.dict(os.environ, ...) rewrote the whole
         # environment per step, up to a millisecond on the GPU hosts, more than some averages.
-        with variable_set(SWITCH, switch) if impl == "dcomm" else contextlib.nullcontext():
+        with variable_set(SWITCH, "0") if eager else contextlib.nullcontext():
             for _ in range(calls):
                 average_parameters(iter(params), group)
 
-    if not replayed or ctx.device.type != "cuda":
+    if impl != "dcomm" or eager or flattened or ctx.device.type != "cuda":
         return Variant(step)
     held_before = graph_reserved_mib(ctx.device)  # earlier cases' graphs share the pool
     return Variant(step, details=lambda: {"graph MiB held": round(graph_reserved_mib(ctx.device) - held_before, 1)})
@@ -104,15 +103,15 @@ def averaging_case(ctx: Context) -> Case:
         "torch": lambda: build_average_parameters(ctx, "torch", calls),
         "dcomm": lambda: build_average_parameters(ctx, "dcomm", calls),
         "dcomm flattened": lambda: build_average_parameters(ctx, "dcomm", calls, flattened=True),
-        "dcomm replayed": lambda: build_average_parameters(ctx, "dcomm", calls, replayed=True),
+        "dcomm eager": lambda: build_average_parameters(ctx, "dcomm", calls, eager=True),
     }
     pairs = [
         Pair("averaging", "dcomm", "torch", "dcomm/torch"),
         Pair("averaging", "dcomm", "raw allreduce", "dcomm/reference"),
         Pair("averaging", "torch", "raw allreduce", "torch/reference"),
         Pair("averaging/flattened", "dcomm flattened", "raw allreduce", "dcomm/reference"),
-        Pair("averaging/replayed", "dcomm replayed", "torch", "dcomm/torch"),
-        Pair("averaging/replayed", "dcomm replayed", "raw allreduce", "dcomm/reference"),
+        Pair("averaging/eager", "dcomm eager", "torch", "dcomm/torch"),
+        Pair("averaging/eager", "dcomm eager", "raw allreduce", "dcomm/reference"),
     ]
     details = {"MiB": round(nbytes / 2**20, 1), "tensors": len(shapes), "calls per step": calls}
     return Case("averaging", variants, pairs, details=details)

@@ -2,8 +2,8 @@
 
 The checks and path decisions of a call (a recipe: indices, staging tables, never a parameter)
 are kept while the next call passes the same parameters in the same storage, so a periodic
-averager pays them once; with ``DCOMM_CUDA_GRAPHS=1`` the in-place average of a kept recipe is
-captured once as a CUDA graph and replayed (:func:`_replayed`).
+averager pays them once; on NCCL the in-place average of a kept recipe is captured once as a
+CUDA graph and replayed (:func:`_replayed`; ``DCOMM_CUDA_GRAPHS=0`` turns that off).
 
 Example::
 
@@ -199,9 +199,10 @@ def _keep(digest: int, key: tuple[Any, ...], recipe: _Recipe) -> None:
         _forget_graphs(evicted)
 
 
-_GRAPHS_BY_DEFAULT = False
-"""Averages are replayed only with ``DCOMM_CUDA_GRAPHS=1`` until their release before
-``destroy_process_group`` has run on GPUs (see :func:`dcomm.core.captured_average.release_all`)."""
+_GRAPHS_BY_DEFAULT = True
+"""Averages are replayed unless ``DCOMM_CUDA_GRAPHS=0``: every process group's shutdown releases
+the graphs first, however ``destroy_process_group`` was imported
+(:func:`dcomm.core.captured_average.release_all`)."""
 
 _GRAPHS: dict[torch.device, tuple[CapturedAverages, Any]] = {}
 """Per device, the graphs of the kept recipes' in-place averages (keyed by the recipe's digest) and
@@ -219,8 +220,8 @@ def _replayed(digest: int | None, recipe: _DeviceRecipe, group: dist.ProcessGrou
 
     The same parameters averaged again cost the same kernels and collectives every call: on
     models of many tensors their host time is most of the call (4x H200: a ResNet-34's 110
-    tensors 1.84x a raw allreduce of the same bytes, replayed 1.14x). With ``DCOMM_CUDA_GRAPHS=1``
-    (opt-in, alike on every rank), from the third call with the same recipe (``digest``) the
+    tensors 1.84x a raw allreduce of the same bytes, replayed 1.14x). Unless ``DCOMM_CUDA_GRAPHS=0``
+    (set alike on every rank), from the third call with the same recipe (``digest``) the
     average is captured once and replayed; every eighth call stays eager so that the NCCL
     watchdog keeps seeing a collective (see :mod:`dcomm.core.captured_average`). The graph holds
     at most the staging of the small parameters (``bucket_cap_mb``) while its recipe is kept.
@@ -228,7 +229,7 @@ def _replayed(digest: int | None, recipe: _DeviceRecipe, group: dist.ProcessGrou
     replaced by a new one at the same address would otherwise replay the old communicator.
     """
     if digest is None or not (recipe.in_place and recipe.by_nccl) or not switched_on(SWITCH, _GRAPHS_BY_DEFAULT):
-        return False  # off (the default): no registry, no side stream, nothing more per call
+        return False  # switched off: no registry, no side stream, nothing more per call
     if torch.cuda.is_current_stream_capturing():
         return False
     kept = _GRAPHS.get(recipe.device)

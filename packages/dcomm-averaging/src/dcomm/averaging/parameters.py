@@ -23,7 +23,7 @@ takes one of two paths:
   into two half-bucket buffers so that packing bucket ``i + 1`` overlaps the allreduce of
   bucket ``i``.
 
-With ``DCOMM_CUDA_GRAPHS=1`` (opt-in, alike on every rank), a call on the in-place path that
+On NCCL (unless ``DCOMM_CUDA_GRAPHS=0``, set alike on every rank), a call on the in-place path that
 repeats the last ones (the same parameters in the same storage, as a periodic averager passes
 them) is replayed from the third call on as one CUDA graph of all its kernels and collectives
 (:func:`_replayed`): its host time no longer grows with the number of parameters.
@@ -169,11 +169,11 @@ def average_parameters(
     averaged: an empty ``params`` (torch raises too; the peers would otherwise wait for this rank),
     a sparse, meta or complex tensor, a CPU tensor on an NCCL group.
 
-    With ``DCOMM_CUDA_GRAPHS=1`` set alike on every rank (opt-in), on NCCL, from the third call
-    with the same parameters in the same storage, the in-place average is captured once as a CUDA
-    graph and replayed (every eighth call stays eager, so that the NCCL watchdog keeps timing a
-    collective); the graph keeps the small parameters' staging (at most ``bucket_cap_mb``)
-    reserved while it lives, and is released before ``destroy_process_group``.
+    On NCCL, from the third call with the same parameters in the same storage, the in-place
+    average is captured once as a CUDA graph and replayed (every eighth call stays eager, so that
+    the NCCL watchdog keeps timing a collective); the graph keeps the small parameters' staging
+    (at most ``bucket_cap_mb``) reserved while it lives, and is released when a process group is
+    destroyed and at exit. ``DCOMM_CUDA_GRAPHS=0``, set alike on every rank, turns it off.
 
     Example::
 

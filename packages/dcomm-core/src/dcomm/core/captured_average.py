@@ -207,11 +207,15 @@ _LIVE: weakref.WeakSet[CapturedAverages] = weakref.WeakSet()
 def release_all() -> None:
     """Destroy every captured graph now (after the device finishes them); they are captured again when due.
 
-    A CUDA graph that holds NCCL collectives and is alive while its process group is destroyed
-    hangs ``destroy_process_group`` (pytorch/pytorch#115388). dcomm's import wraps
-    ``torch.distributed.destroy_process_group`` to call this first, and it runs at exit; call it
-    yourself before destroying a group through a ``destroy_process_group`` imported by name
-    before dcomm was.
+    A CUDA graph that holds NCCL collectives and is alive while its communicator is destroyed
+    hangs ``destroy_process_group`` (pytorch/pytorch#115388: NCCL waits for the graph to go
+    first). Importing this module makes every process group's ``shutdown``, which
+    ``destroy_process_group`` calls however it was imported, call this first; it also runs at
+    exit.
+
+    Example::
+
+        >>> release_all()  # nothing captured: returns at once
     """
     live = [graphs for graphs in list(_LIVE) if len(graphs)]
     if not live:
@@ -222,29 +226,33 @@ def release_all() -> None:
         graphs.clear()
 
 
-def _releasing_graphs_first(destroy: Callable[..., Any]) -> Callable[..., Any]:
-    """``destroy`` (torch's ``destroy_process_group``) preceded by :func:`release_all`."""
+def _releasing_graphs_first(shutdown: Callable[..., Any]) -> Callable[..., Any]:
+    """``shutdown`` (``ProcessGroup.shutdown``) preceded by :func:`release_all`."""
 
-    @functools.wraps(destroy)
-    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(shutdown)
+    def releasing_shutdown(*args: Any, **kwargs: Any) -> Any:
         release_all()
-        return destroy(*args, **kwargs)
+        return shutdown(*args, **kwargs)
 
-    destroy_process_group.__dcomm_releases_graphs__ = True  # type: ignore[attr-defined]
-    return destroy_process_group
+    releasing_shutdown.__dcomm_releases_graphs__ = True  # type: ignore[attr-defined]
+    return releasing_shutdown
 
 
-def _wrap_destroy_process_group() -> None:
-    """Make ``torch.distributed.destroy_process_group`` release dcomm's graphs first (once)."""
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
+def _release_graphs_before_shutdown() -> None:
+    """Make ``ProcessGroup.shutdown`` release dcomm's graphs first (once per process).
 
-    for module in (dist, c10d):
-        destroy = getattr(module, "destroy_process_group", None)
-        if destroy is not None and not getattr(destroy, "__dcomm_releases_graphs__", False):
-            setattr(module, "destroy_process_group", _releasing_graphs_first(destroy))  # noqa: B010
+    The method, not ``destroy_process_group``: a script that imported that function by name
+    before dcomm (the DDP tutorial's form) keeps torch's function, whose every path shuts the
+    group down through this method (torch 2.11 to 2.15). ``abort`` is left alone: it is for a
+    collective that never finishes, which the device synchronisation would wait for.
+    """
+    from torch.distributed import ProcessGroup
+
+    shutdown = getattr(ProcessGroup, "shutdown", None)
+    if shutdown is not None and not getattr(shutdown, "__dcomm_releases_graphs__", False):
+        ProcessGroup.shutdown = _releasing_graphs_first(shutdown)  # type: ignore[method-assign]
 
 
 atexit.register(release_all)
 if torch.distributed.is_available():
-    _wrap_destroy_process_group()
+    _release_graphs_before_shutdown()

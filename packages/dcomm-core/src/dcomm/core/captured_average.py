@@ -243,8 +243,9 @@ def _release_graphs_before_shutdown() -> None:
 
     The method, not ``destroy_process_group``: a script that imported that function by name
     before dcomm (the DDP tutorial's form) keeps torch's function, whose every path shuts the
-    group down through this method (torch 2.11 to 2.15). ``abort`` is left alone: it is for a
-    collective that never finishes, which the device synchronisation would wait for.
+    group down through this method (torch 2.11 and 2.13, where it is tested). ``abort`` is left
+    alone: it is for a collective that never finishes, which the device synchronisation would
+    wait for.
     """
     from torch.distributed import ProcessGroup
 

@@ -95,14 +95,6 @@ def test_release_all_clears_every_owner_and_runs_at_exit() -> None:
     assert "graphs at exit: 0" in _output_of(script)
 
 
-def test_an_owner_off_by_default_captures_only_when_switched_on(monkeypatch) -> None:
-    graphs = CapturedAverages("opt-in", on_by_default=False)
-    monkeypatch.delenv(captured.SWITCH, raising=False)
-    assert not any(graphs.due("params") for _ in range(CAPTURE_AFTER + 3))
-    monkeypatch.setenv(captured.SWITCH, "1")
-    assert [graphs.due("params") for _ in range(CAPTURE_AFTER + 1)][-1] is True
-
-
 def test_destroy_process_group_releases_the_graphs_first_however_it_was_imported() -> None:
     # A live graph holding NCCL collectives hangs destroy_process_group: every process group's
     # shutdown releases the graphs before torch's runs, also through a destroy_process_group

@@ -5,11 +5,10 @@ a periodic averager: 10 calls below 64 MiB, else 5, so that the first call's hos
 training step's queued kernels would hide, is a small part of the step): torch's and dcomm's
 ``average_parameters`` over separate tensors of the workload's shapes, dcomm's over the same
 tensors carved out of one buffer, and one flat allreduce of the same number of elements (the
-reference); ``dcomm eager``
-is dcomm's call with its CUDA graphs switched off (``DCOMM_CUDA_GRAPHS=0``; on by default). On
-CUDA, ``dcomm`` reports the memory that CUDA graphs captured since the variant was built hold
-(``graph MiB held``: what this workload's averages added to the graphs' shared pool), which the
-peak extra memory of a timed step does not show.
+reference); ``dcomm eager`` is dcomm's call with its CUDA graphs switched off
+(``DCOMM_CUDA_GRAPHS=0``; on by default). On CUDA, ``dcomm`` reports the memory that CUDA graphs
+captured since the variant was built hold (``graph MiB held``: what this workload's averages
+added to the graphs' shared pool), which the peak extra memory of a timed step does not show.
 
 Example::
 

@@ -199,11 +199,6 @@ def _keep(digest: int, key: tuple[Any, ...], recipe: _Recipe) -> None:
         _forget_graphs(evicted)
 
 
-_GRAPHS_BY_DEFAULT = True
-"""Averages are replayed unless ``DCOMM_CUDA_GRAPHS=0``: every process group's shutdown releases
-the graphs first, however ``destroy_process_group`` was imported
-(:func:`dcomm.core.captured_average.release_all`)."""
-
 _GRAPHS: dict[torch.device, tuple[CapturedAverages, Any]] = {}
 """Per device, the graphs of the kept recipes' in-place averages (keyed by the recipe's digest) and
 the side stream they replay on."""
@@ -228,14 +223,14 @@ def _replayed(digest: int | None, recipe: _DeviceRecipe, group: dist.ProcessGrou
     It also holds ``group``: the call key names the group by ``id``, and a group destroyed and
     replaced by a new one at the same address would otherwise replay the old communicator.
     """
-    if digest is None or not (recipe.in_place and recipe.by_nccl) or not switched_on(SWITCH, _GRAPHS_BY_DEFAULT):
+    if digest is None or not (recipe.in_place and recipe.by_nccl) or not switched_on(SWITCH):
         return False  # switched off: no registry, no side stream, nothing more per call
     if torch.cuda.is_current_stream_capturing():
         return False
     kept = _GRAPHS.get(recipe.device)
     if kept is None:
         kept = _GRAPHS[recipe.device] = (
-            CapturedAverages("average_parameters", max_graphs=_RECIPES_KEPT, on_by_default=_GRAPHS_BY_DEFAULT),
+            CapturedAverages("average_parameters", max_graphs=_RECIPES_KEPT),
             torch.cuda.Stream(recipe.device),
         )
     graphs, stream = kept

@@ -43,8 +43,7 @@ from dcomm.core.log import warn_once
 __all__ = ["CAPTURE_AFTER", "MAX_GRAPHS", "SWITCH", "WATCHED_EVERY", "CapturedAverages", "StreamWork", "release_all"]
 
 SWITCH = "DCOMM_CUDA_GRAPHS"
-"""``0`` (alike on every rank) runs every average eagerly: no capture, no replay; ``1`` also turns on
-the owners whose graphs are off by default (``on_by_default=False``)."""
+"""``0`` (alike on every rank) runs every average eagerly: no capture, no replay (unset: on)."""
 
 CAPTURE_AFTER = 2
 """Eager calls per key before its capture: buffers allocated, NCCL communicators created."""
@@ -92,17 +91,14 @@ class CapturedAverages:
         "_watched_calls",
         "enabled",
         "max_graphs",
-        "on_by_default",
         "owner",
         "reserved_bytes",
     )
 
-    def __init__(self, owner: str, max_graphs: int = MAX_GRAPHS, on_by_default: bool = True) -> None:
+    def __init__(self, owner: str, max_graphs: int = MAX_GRAPHS) -> None:
         self.owner = owner
         """Who captures, as the one warning on a failed capture names it."""
         self.max_graphs = max_graphs
-        self.on_by_default = on_by_default
-        """Whether graphs are used while ``DCOMM_CUDA_GRAPHS`` is unset."""
         self._captured: dict[Hashable, _Captured] = {}
         self._eager_calls: dict[Hashable, int] = {}
         self._pool: Any = None
@@ -138,7 +134,7 @@ class CapturedAverages:
         :data:`WATCHED_EVERY`-th time: average it eagerly).
         """
         captured = self._captured.get(key)
-        if captured is None or not switched_on(SWITCH, self.on_by_default):
+        if captured is None or not switched_on(SWITCH):
             return None
         if self.eager_turn(watched):
             return None  # eager this time: a collective the watchdog can time out on
@@ -162,7 +158,7 @@ class CapturedAverages:
         """Count an eager call of ``key``; whether its graph should be captured now."""
         if not self.enabled or key in self._captured or len(self._captured) >= self.max_graphs:
             return False
-        if not switched_on(SWITCH, self.on_by_default):
+        if not switched_on(SWITCH):
             return False
         if len(self._eager_calls) >= 4 * self.max_graphs:  # keys that never came back
             self._eager_calls.clear()

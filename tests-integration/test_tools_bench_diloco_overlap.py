@@ -33,7 +33,7 @@ def test_two_gloo_ranks_find_every_sync_step_kind_and_write_the_json(tmp_path: p
     out = tmp_path / "overlap.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     command += ["-m", "tools.bench.diloco_overlap", "--sync-every", "8", "--steps", "8", "--json", str(out)]
-    command += ["--settings", "2:1", "2:2:int8", "1:8"]
+    command += ["--settings", "2:1", "2:2:int8", "1:8", "4:1", "--batch", "3"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200, check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -41,13 +41,21 @@ def test_two_gloo_ranks_find_every_sync_step_kind_and_write_the_json(tmp_path: p
     run = json.loads(out.read_text())
     assert (run["device"], run["world_size"], run["backend"], run["link"]) == ("cpu", 2, "gloo", "fast")
     assert (run["workload"]["size"], run["precision"], run["nccl"]) == ("small", "fp32", None)
+    assert (run["workload"]["name"], run["workload"]["batch"]) == ("transformer", 3)
     assert run["torch"]
     assert run["date"]
     assert run["link_env"]["NCCL_NVLS_ENABLE"] == "0"  # tools.launch turns multicast off
     assert run["baseline"]["before"]["plain steps"] == 8
     results = run["results"]
-    assert set(results) == {"F2 tau1 fp32 H8", "F2 tau2 int8 H8", "F1 tau8 fp32 H8"}
+    assert set(results) == {"F2 tau1 fp32 H8", "F2 tau2 int8 H8", "F1 tau8 fp32 H8", "F4 tau1 fp32 H8"}
     assert results["F1 tau8 fp32 H8"] == {"error": "skipped: tau=8 is not below H=8"}
+    # A fragment every 2 steps, applied 1 step later: every step syncs, and no view has a plain step to divide by.
+    every_step = results.pop("F4 tau1 fp32 H8")
+    assert (every_step["plain steps"], every_step["plain ms"]) == (0, None)
+    assert {kind: k["count"] for kind, k in every_step["kinds"].items()} == {"launch": 4, "apply": 4}
+    assert every_step["least waiting rank view"] == {}
+    assert "sync/plain" not in every_step
+    assert "sync/plain" not in every_step["slowest rank view"]
     # Offsets 4 and 0 of 8: launches at steps 4 and 8, applied tau later; int8 advances between.
     expected = {
         "F2 tau1 fp32 H8": {"launch": 2, "apply": 2},

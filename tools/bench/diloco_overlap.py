@@ -1,6 +1,7 @@
 """DiLoCo's overlap: how long each kind of sync step takes next to a plain inner step (issue 16).
 
-Trains the ``transformer`` workload with ``DiLoCoOptimizer`` (AdamW inner, SGD with Nesterov
+Trains the ``transformer`` workload (on GPUs its ``large-slow`` size at :data:`GPU_BATCH` sequences a
+step, so that the GPU, not Python, sets each rank's pace) with ``DiLoCoOptimizer`` (AdamW inner, SGD with Nesterov
 momentum outer) once per setting: fragments ``F``, delay ``tau``, compression and ``sync_every``
 ``H``, written ``F:tau[:compression[:H]]``. Before and after the settings it trains with AdamW
 alone, the no-sync baseline. Every step (zero_grad, forward, backward, ``opt.step()``) is timed on
@@ -48,6 +49,7 @@ On CPU (gloo, the ``small`` size), a smoke run::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.metadata
 import itertools
@@ -72,6 +74,7 @@ from tools.launch import init_rank, short_error
 
 __all__ = [
     "DEFAULT_SETTINGS",
+    "GPU_BATCH",
     "Setting",
     "StepTimer",
     "link_of",
@@ -85,6 +88,12 @@ __all__ = [
 DEFAULT_SETTINGS = ("1:0", "2:1", "4:1", "4:4", "2:9", "4:1:int8", "4:4:int8", "2:9:int8", "4:10:none:50")
 """F:tau[:compression[:H]]: plain DiLoCo, then fragments with delays too short and long enough to hide a
 transfer, in fp32 and int8 (a quarter of the bytes), and fp32 at H=50 (less than half the link load of H=20)."""
+GPU_BATCH = 64
+"""Sequences per step on GPUs: the ``large-slow`` transformer's 8 leave a step host-bound (~30 ms of
+Python for ~9 ms of GPU work on an H200), and host-bound ranks drift apart between syncs at their
+own hosts' pace (one rank steadily 20% slower, say), so the first ranks at a sync wait for the last:
+a cost of the hosts, not of the communication, that DDP's per-step sync would pay every step. At 64
+the GPU sets every rank's pace (~44 ms on an H200), as in real training."""
 SLOW_LINK_ENV = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE")
 LINK_ENV = (*SLOW_LINK_ENV, "NCCL_SOCKET_IFNAME", "NCCL_NVLS_ENABLE")
 COMPRESSIONS = ("none", "bf16", "fp8", "int8", "int4")
@@ -403,6 +412,8 @@ def least_waiting_view(run: Run) -> dict[str, Any]:
         >>> least_waiting_view(run)["sync/plain"]
         1.1
     """
+    if "plain" not in run.kinds:  # every step syncs (tau fills the spacing H/F): nothing to compare with
+        return {}
     plains = [
         statistics.median(t for t, kind in zip(times, run.kinds, strict=True) if kind == "plain")
         for times in run.rank_times_s
@@ -451,6 +462,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: one period H)")
     parser.add_argument("--size", choices=["auto", *SIZE_TIERS], default="auto", help="auto: large-slow on GPUs")
     parser.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help=f"sequences per step (default: {GPU_BATCH} on GPUs, where steps are then GPU-bound; the size's on CPU)",
+    )
+    parser.add_argument(
         "--precision", choices=["auto", *PRECISIONS], default="auto", help="auto: bf16-autocast on GPUs, fp32 on CPU"
     )
     parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="auto: nccl on GPUs")
@@ -458,6 +475,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.sync_every < 1 or (args.warmup is not None and args.warmup < 0):
         parser.error("--steps and --sync-every must be at least 1, --warmup at least 0")
+    if args.batch is not None and args.batch < 1:
+        parser.error(f"--batch: expected at least 1, got {args.batch}")
     try:
         args.settings = [parse_setting(text, args.sync_every) for text in args.settings]
     except ValueError as exc:
@@ -472,7 +491,7 @@ def _version(name: str) -> str | None:
         return None
 
 
-def metadata(bench: Bench, backend: str, size: str, precision: str) -> dict[str, Any]:
+def metadata(bench: Bench, backend: str, size: str, precision: str, workload: Any) -> dict[str, Any]:
     """Where and how the run was measured."""
     nccl = torch.cuda.nccl.version() if backend == "nccl" else None
     return {
@@ -486,7 +505,7 @@ def metadata(bench: Bench, backend: str, size: str, precision: str) -> dict[str,
         "cuda": torch.version.cuda,
         "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
         "dcomm-averaging": _version("dcomm-averaging"),
-        "workload": {"name": "transformer", "size": size, **WORKLOADS["transformer"][size].__dict__},
+        "workload": {"size": size, **workload.__dict__},
         "precision": precision,
         "inner": {"optimizer": "AdamW", "lr": INNER_LR},
         "outer": {"optimizer": "SGD", **OUTER},
@@ -554,8 +573,12 @@ def main(argv: list[str] | None = None) -> int:
     size = args.size if args.size != "auto" else ("large-slow" if bench.is_cuda else "small")
     precision = args.precision if args.precision != "auto" else ("bf16-autocast" if bench.is_cuda else "fp32")
     set_tf32(precision != "fp32")
-    ctx = Context(bench, WORKLOADS["transformer"][size], precision)
-    meta = metadata(bench, backend, size, precision)
+    batch = args.batch if args.batch is not None else (GPU_BATCH if bench.is_cuda else None)
+    workload = WORKLOADS["transformer"][size]
+    if batch is not None:
+        workload = dataclasses.replace(workload, batch=batch)
+    ctx = Context(bench, workload, precision)
+    meta = metadata(bench, backend, size, precision, workload)
     say = print if bench.rank == 0 else (lambda *a, **k: None)
     say(f"[diloco-overlap] {meta['device']} x{bench.world} {backend} link={meta['link']} {size} {precision}")
     say("\n".join(plan_lines(args.settings)), flush=True)

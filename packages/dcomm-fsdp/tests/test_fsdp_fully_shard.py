@@ -32,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 import dcomm.fsdp.fully_shard as fully_shard_module
 from dcomm.core import divide_factors
 from dcomm.fsdp import LowPrecisionReduceScatter, low_precision_mp_policy, use_low_precision_reduction
+from dcomm.fsdp._torch_private import fsdp_param_groups, mp_policy, reduces_as_fsdp_default
 from dcomm_testing import assert_close, recorded_calls, run_ranks, seeded_mlp, seeded_pair, train_sgd
 
 STEPS = 3
@@ -221,6 +222,41 @@ def _fully_shard(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [3, 4])
 def test_fully_shard_low_precision_matches_float_reduction(world: int) -> None:
     run_ranks(_fully_shard, world)
+
+
+def _reductions(net: nn.Module) -> list[tuple[bool, torch.dtype]]:
+    """Per FSDP2 parameter group: (reduces as fully_shard left it, its reduce dtype)."""
+    groups = [g for m in net.modules() if isinstance(m, FSDPModule) for g in fsdp_param_groups(m)]
+    return [(reduces_as_fsdp_default(g), mp_policy(g).reduce_dtype) for g in groups]
+
+
+def _bf16_over_nccl_is_left_to_torch(rank: int, world: int) -> None:
+    # gloo stands in for NCCL here: only the decision is checked, nothing is reduced.
+    net, _ = build()
+    use_low_precision_reduction(net, torch.float16)  # fp16: dcomm's reduce-scatter (torch divides in 2 kernels)
+    assert _reductions(net) == [(False, torch.float16)] * 2
+    net, _ = build()
+    use_low_precision_reduction(net, torch.bfloat16)  # gloo has no AVG: dcomm's reduce-scatter
+    assert _reductions(net) == [(False, torch.bfloat16)] * 2
+    original = fully_shard_module.reduced_by_nccl
+    fully_shard_module.reduced_by_nccl = lambda group, device: True  # type: ignore[assignment]
+    try:
+        net, _ = build()
+        comm = use_low_precision_reduction(net, torch.bfloat16)  # FSDP2's bf16 AVG is dcomm's average
+        assert _reductions(net) == [(True, torch.bfloat16)] * 2
+        assert comm.fallbacks == 0
+        net, _ = build()
+        net.set_gradient_divide_factor(3.0)  # the root's own factor: torch's reduction is no longer the average
+        use_low_precision_reduction(net, torch.bfloat16)  # so dcomm's reduce-scatter, on every module alike
+        assert _reductions(net) == [(False, torch.bfloat16)] * 2
+        for module in (net[0], net):
+            assert isinstance(fsdp_param_groups(module)[0]._reduce_scatter_comm, LowPrecisionReduceScatter)
+    finally:
+        fully_shard_module.reduced_by_nccl = original
+
+
+def test_bf16_over_nccl_with_fsdp_defaults_is_left_to_torch() -> None:
+    run_ranks(_bf16_over_nccl_is_left_to_torch, 2)
 
 
 def test_bad_dtype_and_old_torch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,15 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, ShardingStrategy, fully_shard
 
 from dcomm.core.torch_private import missing_members
-from dcomm.fsdp._torch_private import PRIVATE_MEMBERS, fsdp_param_groups, hybrid_zero2_strategy, mp_policy
+from dcomm.fsdp import use_low_precision_reduction
+from dcomm.fsdp._torch_private import (
+    PRIVATE_MEMBERS,
+    fsdp_param_groups,
+    hybrid_zero2_strategy,
+    mp_policy,
+    reduces_as_fsdp_default,
+    shard_group,
+)
 from dcomm_testing import run_ranks
 
 
@@ -22,6 +30,10 @@ def _instance_members(rank: int, world: int) -> None:
     groups = fsdp_param_groups(model)
     assert len(groups) == 1, groups
     assert mp_policy(groups[0]).reduce_dtype == torch.bfloat16
+    assert shard_group(groups[0]).size() == world
+    assert reduces_as_fsdp_default(groups[0])  # as fully_shard left it
+    use_low_precision_reduction(model, torch.float16)  # on gloo: dcomm's reduce-scatter, divide factor 1, SUM
+    assert not reduces_as_fsdp_default(groups[0])
 
 
 @pytest.mark.timeout(300)

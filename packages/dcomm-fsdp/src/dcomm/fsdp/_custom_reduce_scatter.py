@@ -137,15 +137,19 @@ def _check_not_hsdp(module: nn.Module) -> None:
             )
 
 
-def install_reduce_scatter(module: nn.Module, comm: AveragingReduceScatter, hint: str = "") -> list[Any]:
-    """Give every ``fully_shard`` module in ``module`` the reduce-scatter ``comm``; return those modules.
+def fully_shard_modules(module: nn.Module, installer: str, hint: str = "") -> list[Any]:
+    """The ``fully_shard`` modules in ``module`` (itself included), after checking it can take a reduce-scatter.
 
-    Each one also gets a gradient divide factor of 1 and SUM-only reductions, since ``comm``
-    averages by itself. ``hint`` ends the error raised when ``module`` holds no ``fully_shard``
-    module. Raises as :func:`~dcomm.fsdp.use_low_precision_reduction` and
-    :func:`~dcomm.fsdp.use_quantized_reduction` document.
+    Raises as :func:`~dcomm.fsdp.use_low_precision_reduction` documents: no ``fully_shard``
+    module (``hint`` ends that error), HSDP, or a torch without the FSDP2 methods. ``installer``
+    names the calling function in the errors.
+
+    Example::
+
+        >>> fully_shard_modules(model, "use_low_precision_reduction")  # doctest: +SKIP
+        [FSDPTransformer(...), FSDPBlock(...)]
     """
-    fsdp_module = _fsdp_module_class(comm.installer)
+    fsdp_module = _fsdp_module_class(installer)
     targets: list[Any] = [m for m in module.modules() if isinstance(m, fsdp_module)]
     if not targets:
         raise ValueError(
@@ -153,6 +157,16 @@ def install_reduce_scatter(module: nn.Module, comm: AveragingReduceScatter, hint
             f"torch.distributed.fsdp.fully_shard(module) first{hint}"
         )
     _check_not_hsdp(module)
+    return targets
+
+
+def install_reduce_scatter(module: nn.Module, comm: AveragingReduceScatter, hint: str = "") -> list[Any]:
+    """Give every ``fully_shard`` module in ``module`` the reduce-scatter ``comm``; return those modules.
+
+    Each one also gets a gradient divide factor of 1 and SUM-only reductions, since ``comm``
+    averages by itself. Raises as :func:`fully_shard_modules`.
+    """
+    targets = fully_shard_modules(module, comm.installer, hint)
     for target in targets:
         target.set_custom_reduce_scatter(comm)
         target.set_gradient_divide_factor(1.0)

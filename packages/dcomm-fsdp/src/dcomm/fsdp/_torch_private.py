@@ -27,14 +27,24 @@ def _param_group_class() -> type:
     return FSDPParamGroup
 
 
+def _collectives_module() -> Any:
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    return _fsdp_collectives
+
+
 _GET_STATE = PrivateMember(lambda: FSDPModule, "_get_fsdp_state", "how a fully_shard module reaches its FSDP state")
 _INIT_MP_DTYPES = PrivateMember(
     _param_group_class, "_init_mp_dtypes", "how FSDP2 derives a parameter group's dtypes from its mp_policy"
 )
 _HYBRID_ZERO2 = PrivateMember(lambda: ShardingStrategy, "_HYBRID_SHARD_ZERO2", "FSDP's hybrid ZeRO-2 strategy")
-PRIVATE_MEMBERS = [_GET_STATE, _INIT_MP_DTYPES, _HYBRID_ZERO2]
-"""Members on classes; the per-instance ones (a state's parameter groups, a group's ``mp_policy``)
-are checked on a real ``fully_shard`` module by the package's test."""
+_DEFAULT_REDUCE_SCATTER = PrivateMember(
+    _collectives_module, "DefaultReduceScatter", "the reduce-scatter FSDP2 runs when none is set"
+)
+PRIVATE_MEMBERS = [_GET_STATE, _INIT_MP_DTYPES, _HYBRID_ZERO2, _DEFAULT_REDUCE_SCATTER]
+"""Members on classes and modules; the per-instance ones (a state's parameter groups, a group's
+``mp_policy``, reduce-scatter settings and mesh) are checked on a real ``fully_shard`` module by the
+package's test."""
 
 
 def _read(owner: Any, member: PrivateMember) -> Any:
@@ -98,3 +108,37 @@ def refresh_mp_dtypes(group: Any) -> None:
     """Recompute a parameter group's dtypes if FSDP2 already derived them from the old policy."""
     if "_reduce_dtype" in vars(group):  # lazily initialised already
         _read(group, _INIT_MP_DTYPES)()
+
+
+def reduces_as_fsdp_default(group: Any) -> bool:
+    """Whether a parameter group reduces as ``fully_shard`` left it: torch's own reduce-scatter, no
+    gradient divide factor, no forced ``SUM`` (False where torch keeps these elsewhere).
+
+    Example::
+
+        >>> all(reduces_as_fsdp_default(g) for g in fsdp_param_groups(module))  # doctest: +SKIP
+        True
+    """
+    try:
+        default = _read(_collectives_module(), _DEFAULT_REDUCE_SCATTER)
+    except (ImportError, TorchChanged):
+        return False
+    state = vars(group)
+    return (
+        type(state.get("_reduce_scatter_comm")) is default
+        and "gradient_divide_factor" in state
+        and state["gradient_divide_factor"] is None
+        and state.get("force_sum_reduction_for_comms") is False
+    )
+
+
+def shard_group(group: Any) -> Any:
+    """The process group a parameter group reduce-scatters over (None where torch keeps it elsewhere).
+
+    Example::
+
+        >>> shard_group(fsdp_param_groups(module)[0]).size()  # doctest: +SKIP
+        4
+    """
+    mesh_info = vars(group).get("mesh_info")
+    return getattr(mesh_info, "shard_process_group", None)

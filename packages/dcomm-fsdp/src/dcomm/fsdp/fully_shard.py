@@ -40,16 +40,24 @@ from dcomm.core import (
     keep_until_stream_done,
     plan_average,
     reduce_scatter_single,
+    reduced_by_nccl,
     warn_once,
 )
 from dcomm.core.torch_private import TorchChanged
-from dcomm.fsdp._custom_reduce_scatter import AveragingReduceScatter, check_sizes, install_reduce_scatter
+from dcomm.fsdp._custom_reduce_scatter import (
+    AveragingReduceScatter,
+    check_sizes,
+    fully_shard_modules,
+    install_reduce_scatter,
+)
 from dcomm.fsdp._torch_private import (
     fsdp_param_groups,
     mp_policy,
     mp_policy_holders,
+    reduces_as_fsdp_default,
     refresh_mp_dtypes,
     set_mp_policy,
+    shard_group,
 )
 
 __all__ = ["LowPrecisionReduceScatter", "low_precision_mp_policy", "use_low_precision_reduction"]
@@ -227,20 +235,25 @@ def use_low_precision_reduction(module: nn.Module, dtype: torch.dtype = torch.bf
     """Make every ``fully_shard`` module in ``module`` reduce gradients in ``dtype`` (fp16 or bf16).
 
     Call it after ``fully_shard`` and before the first backward. Each FSDP2 module under (and
-    including) ``module`` gets a :class:`LowPrecisionReduceScatter`, a gradient divide factor of 1
-    and SUM-only reductions, so the averaging is done once, by dcomm's pre/post divide; and a
-    mixed-precision policy whose ``reduce_dtype`` is ``dtype`` (the other fields unchanged), so
-    FSDP2 converts the gradients while copying them into the reduce-scatter input and back to the
-    parameter dtype after it. Build the modules with ``mp_policy=low_precision_mp_policy(dtype)``
-    to set that with public API only; otherwise it is set here through FSDP2's parameter groups.
-    Where that is impossible (a torch whose internals differ) the reduce-scatter receives
+    including) ``module`` gets a mixed-precision policy whose ``reduce_dtype`` is ``dtype`` (the
+    other fields unchanged), so FSDP2 converts the gradients while copying them into the
+    reduce-scatter input and back to the parameter dtype after it; and a
+    :class:`LowPrecisionReduceScatter`, a gradient divide factor of 1 and SUM-only reductions, so
+    the averaging is done once, by dcomm's pre/post divide. Except bf16 over NCCL on modules that
+    reduce as ``fully_shard`` left them: FSDP2's own bf16 reduction there is NCCL's ``AVG``, the
+    average dcomm would compute, so nothing else is installed and torch reduces, bit for bit as
+    with ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`` and without a Python call per
+    reduce-scatter (the returned object is then not installed). Build the modules with
+    ``mp_policy=low_precision_mp_policy(dtype)`` to set the reduce dtype with public API only;
+    otherwise it is set here through FSDP2's parameter groups. Where that is impossible (a torch
+    whose internals differ) dcomm's reduce-scatter is installed whatever the dtype; it receives
     higher-precision input, casts it by itself (correct, one extra pass over the gradients) and
     warns once.
 
     As with torch's ``reduce_dtype``: the sharded gradients keep the parameter dtype, gradients
     accumulated without reduction (``set_requires_gradient_sync(False)``) are kept in ``dtype``,
     and an fp16 gradient element beyond fp16's range (65504) overflows in the copy-in (the
-    pre-divide still keeps the sum of the ranks in range). Returns the installed reduce-scatter.
+    pre-divide still keeps the sum of the ranks in range). Returns the reduce-scatter.
 
     Raises ``ValueError`` for a dtype other than fp16/bf16, a module without ``fully_shard``, or
     HSDP (a 2-D mesh with replication); ``RuntimeError`` on a torch without the FSDP2 methods.
@@ -252,12 +265,37 @@ def use_low_precision_reduction(module: nn.Module, dtype: torch.dtype = torch.bf
         LowPrecisionReduceScatter(dtype=torch.float16)
     """
     comm = LowPrecisionReduceScatter(dtype)
-    targets = install_reduce_scatter(
-        module,
-        comm,
+    hint = (
         " (for FullyShardedDataParallel use register_comm_hook with dcomm.fsdp.fp16_compress_hook or "
-        "bf16_compress_hook)",
+        "bf16_compress_hook)"
     )
-    for target in targets:
-        _set_reduce_dtype(target, dtype)
+    targets = fully_shard_modules(module, comm.installer, hint)
+    converted = [_set_reduce_dtype(target, dtype) for target in targets]
+    if all(converted) and _torch_averages_alike(module, targets, dtype):
+        return comm
+    install_reduce_scatter(module, comm, hint)
     return comm
+
+
+def _torch_averages_alike(module: nn.Module, targets: list[Any], dtype: torch.dtype) -> bool:
+    """Whether FSDP2's own reduction of ``targets`` already is dcomm's average, so nothing is installed.
+
+    That is bf16 over NCCL with FSDP2's defaults (its own reduce-scatter, no divide factor, no
+    forced ``SUM``): NCCL's ``AVG`` in bf16, which is :class:`LowPrecisionReduceScatter`'s fast
+    path too, without a Python call per reduce-scatter. Not fp16 (torch divides in two extra
+    kernels there; dcomm folds its pre-divide into the collective), nor gloo (no ``AVG``).
+    """
+    param = next(module.parameters(), None)
+    if dtype != torch.bfloat16 or param is None:
+        return False
+    try:
+        groups = [group for target in targets for group in fsdp_param_groups(target)]
+    except TorchChanged:
+        return False
+    for group in groups:
+        process_group = shard_group(group)
+        if process_group is None or not reduces_as_fsdp_default(group):
+            return False
+        if not reduced_by_nccl(process_group, param.device):
+            return False
+    return bool(groups)

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from tools.bench.diloco_chart import chart_rows, write_chart
 from tools.bench.diloco_overlap import (
     Run,
     Setting,
@@ -86,6 +87,12 @@ def test_two_gloo_ranks_find_every_sync_step_kind_and_write_the_json(tmp_path: p
         assert [len(times) for times in result["rank step ms"]] == [8, 8], label
     fp32, int8 = (results[label]["bytes/inner step"] for label in expected)
     assert fp32 / 5 < int8 < fp32 / 3  # int8 codes plus scales: about a quarter of fp32's bytes
+    # The chart: a row per setting with a ratio (not the skipped one, nor the one without plain steps).
+    rows = chart_rows(json.loads(out.read_text()))
+    assert [label.split(" (")[0] for label, _ in rows] == list(expected)
+    assert all(len(views) == 3 for _, views in rows)
+    write_chart([run, run], str(tmp_path / "overlap.png"))
+    assert (tmp_path / "overlap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_settings_parse_with_their_defaults_and_reject_bad_text() -> None:

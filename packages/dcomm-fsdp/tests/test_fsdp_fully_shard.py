@@ -251,6 +251,11 @@ def _bf16_over_nccl_is_left_to_torch(rank: int, world: int) -> None:
         assert _reductions(net) == [(False, torch.bfloat16)] * 2
         for module in (net[0], net):
             assert isinstance(fsdp_param_groups(module)[0]._reduce_scatter_comm, LowPrecisionReduceScatter)
+        net, _ = build()
+        with pytest.MonkeyPatch.context() as patch:  # a torch whose parameter groups moved: install, as before
+            patch.setattr(fully_shard_module, "_set_reduce_dtype", lambda module, dtype: False)
+            use_low_precision_reduction(net, torch.bfloat16)
+        assert [default for default, _ in _reductions(net)] == [False, False]
     finally:
         fully_shard_module.reduced_by_nccl = original
 

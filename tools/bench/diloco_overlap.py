@@ -1,14 +1,14 @@
 """DiLoCo's overlap: how long each kind of sync step takes next to a plain inner step (issue 16).
 
-Trains the ``transformer`` workload (on GPUs its ``large-slow`` size at :data:`GPU_BATCH` sequences a
-step, so that the GPU, not Python, sets each rank's pace) with ``DiLoCoOptimizer`` (AdamW inner, SGD with Nesterov
-momentum outer) once per setting: fragments ``F``, delay ``tau``, compression and ``sync_every``
-``H``, written ``F:tau[:compression[:H]]``. Before and after the settings it trains with AdamW
-alone, the no-sync baseline. Every step (zero_grad, forward, backward, ``opt.step()``) is timed on
-the training stream only: on CUDA by events recorded on the current stream between steps, with no
-device synchronisation inside the timed loop (perf_counter on CPU). A transfer running behind the
-next steps is therefore free, and a real stall counts in the step where it happens: the apply
-step's stream waiting for an unfinished transfer.
+Trains the ``transformer`` workload (on GPUs its ``large-slow`` size at :data:`GPU_BATCH`
+sequences a step, so that the GPU, not Python, sets each rank's pace) with ``DiLoCoOptimizer``
+(AdamW inner, SGD with Nesterov momentum outer) once per setting: fragments ``F``, delay ``tau``,
+compression and ``sync_every`` ``H``, written ``F:tau[:compression[:H]]``. Before and after the
+settings it trains with AdamW alone, the no-sync baseline. Every step (zero_grad, forward,
+backward, ``opt.step()``) is timed on the training stream only: on CUDA by events recorded on the
+current stream between steps, with no device synchronisation inside the timed loop (perf_counter
+on CPU). A transfer running behind the next steps is therefore free, and a real stall counts in
+the step where it happens: the apply step's stream waiting for an unfinished transfer.
 
 Steps are classed by what DiLoCo does in them: ``launch`` (a fragment's averaging starts: seen in
 ``opt.bytes_sent``), ``advance`` (compressed on gloo, ``(tau + 1) // 2`` steps later: its second

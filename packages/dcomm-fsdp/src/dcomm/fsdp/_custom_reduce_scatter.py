@@ -167,8 +167,18 @@ def install_reduce_scatter(module: nn.Module, comm: AveragingReduceScatter, hint
     averages by itself. Raises as :func:`fully_shard_modules`.
     """
     targets = fully_shard_modules(module, comm.installer, hint)
+    set_reduce_scatter(targets, comm)
+    return targets
+
+
+def set_reduce_scatter(targets: list[Any], comm: AveragingReduceScatter) -> None:
+    """Give each of the checked ``targets`` (see :func:`fully_shard_modules`) ``comm``, a divide factor of 1 and SUM.
+
+    Example::
+
+        >>> set_reduce_scatter(fully_shard_modules(model, comm.installer), comm)  # doctest: +SKIP
+    """
     for target in targets:
         target.set_custom_reduce_scatter(comm)
         target.set_gradient_divide_factor(1.0)
         target.set_force_sum_reduction_for_comms(True)
-    return targets

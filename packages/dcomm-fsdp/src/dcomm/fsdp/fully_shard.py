@@ -48,7 +48,7 @@ from dcomm.fsdp._custom_reduce_scatter import (
     AveragingReduceScatter,
     check_sizes,
     fully_shard_modules,
-    install_reduce_scatter,
+    set_reduce_scatter,
 )
 from dcomm.fsdp._torch_private import (
     fsdp_param_groups,
@@ -271,9 +271,8 @@ def use_low_precision_reduction(module: nn.Module, dtype: torch.dtype = torch.bf
     )
     targets = fully_shard_modules(module, comm.installer, hint)
     converted = [_set_reduce_dtype(target, dtype) for target in targets]
-    if all(converted) and _torch_averages_alike(module, targets, dtype):
-        return comm
-    install_reduce_scatter(module, comm, hint)
+    if not (all(converted) and _torch_averages_alike(module, targets, dtype)):
+        set_reduce_scatter(targets, comm)
     return comm
 
 
@@ -285,8 +284,10 @@ def _torch_averages_alike(module: nn.Module, targets: list[Any], dtype: torch.dt
     path too, without a Python call per reduce-scatter. Not fp16 (torch divides in two extra
     kernels there; dcomm folds its pre-divide into the collective), nor gloo (no ``AVG``).
     """
+    if dtype != torch.bfloat16:
+        return False
     param = next(module.parameters(), None)
-    if dtype != torch.bfloat16 or param is None:
+    if param is None:
         return False
     try:
         groups = [group for target in targets for group in fsdp_param_groups(target)]

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tools.bench_results import rows_of
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAINING_CASES = ("ddp", "compression", "post-local-sgd", "zero", "fsdp", "fully_shard")
 EXPECTED_ROWS = {
@@ -157,9 +159,15 @@ def test_bench_runs_every_case_on_each_kind_of_small_workload(tmp_path: pathlib.
 @pytest.mark.timeout(600)
 def test_bench_runs_the_transformer_in_each_precision(tmp_path: pathlib.Path) -> None:
     flags = ["--workload", "transformer", "--precision", "tf32", "bf16-autocast", "--cases", "ddp"]
-    result = _bench(tmp_path, *flags, "--min-rounds", "2", "--max-rounds", "2")
+    result = _bench(tmp_path, *flags, "--min-rounds", "2", "--max-rounds", "2", "--control")
     runs = {(r["case"], r["precision"]) for r in result["results"]}
     assert runs == {("ddp", "tf32"), ("ddp", "bf16-autocast")}
     for run in result["results"]:
         assert _dcomm_errors(run) == {}, run["precision"]
         assert "error" not in run["variants"]["builtin"], run["precision"]
+        # --control: torch's allreduce hook (the first dcomm/torch pair's reference) timed against a copy.
+        (control,) = [pair for pair in run["pairs"] if pair["kind"] == "A/A"]
+        assert (control["label"], control["a"], control["b"]) == ("ddp/A-A", "torch allreduce again", "torch allreduce")
+        _check_pair(run["precision"], control, run["variants"])
+    rows = {(row.label, row.precision): row for row in rows_of(result)}
+    assert [ratio.b for ratio in rows[("ddp/A-A", "tf32")].vs_reference] == ["torch allreduce"]

@@ -75,7 +75,7 @@ def rows_of(run: dict[str, Any]) -> list[ResultRow]:
             row = rows.setdefault(key, ResultRow(*key))
             if pair["kind"] == "dcomm/torch":
                 row.vs_torch = _ratio(pair)
-            elif pair["kind"] == "dcomm/reference":
+            elif pair["kind"] in ("dcomm/reference", "A/A"):  # an A/A row: a variant over its own copy
                 row.vs_reference.append(_ratio(pair))
             for name in (pair["a"], pair["b"]):
                 variant = variants.get(name, {})

@@ -48,9 +48,11 @@ __all__ = [
     "median_ratio_interval",
     "run_case",
     "steps_per_block",
+    "with_control",
 ]
 
-PAIR_KINDS = ("dcomm/torch", "dcomm/reference", "torch/reference")
+PAIR_KINDS = ("dcomm/torch", "dcomm/reference", "torch/reference", "A/A")
+"""``A/A``: a variant over a second, separately built copy of itself (:func:`with_control`)."""
 
 
 @dataclass
@@ -70,7 +72,7 @@ class Pair:
     a: str
     b: str
     kind: str
-    """``dcomm/torch``, ``dcomm/reference`` or ``torch/reference``."""
+    """``dcomm/torch``, ``dcomm/reference``, ``torch/reference`` or ``A/A``."""
 
     def __post_init__(self) -> None:
         if self.kind not in PAIR_KINDS:
@@ -243,6 +245,30 @@ def keep_variants(case: Case, patterns: Sequence[str]) -> Case:
     kept = {name: build for name, build in case.variants.items() if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
     pairs = [pair for pair in case.pairs if pair.a in kept and pair.b in kept]
     return dataclasses.replace(case, variants=kept, pairs=pairs)
+
+
+def with_control(case: Case) -> Case:
+    """``case`` plus an A/A control: its reference variant built a second time, timed against itself.
+
+    The reference is the torch side of the first ``dcomm/torch`` pair (else the ``b`` of the
+    first pair). Both copies run the same code in the same rounds, so their ratio, ideally 1,
+    shows how far this case's ratios move with nothing changed: the resolution of the others.
+
+    Example::
+
+        >>> pairs = [Pair("c", "dcomm a", "torch a", "dcomm/torch")]
+        >>> case = with_control(Case("c", {"dcomm a": dict, "torch a": dict}, pairs))
+        >>> sorted(case.variants), case.pairs[-1]
+        (['dcomm a', 'torch a', 'torch a again'], Pair(label='c/A-A', a='torch a again', b='torch a', kind='A/A'))
+    """
+    if not case.pairs:
+        return case
+    versus_torch = [pair for pair in case.pairs if pair.kind == "dcomm/torch"]
+    reference = (versus_torch or case.pairs)[0].b
+    copy = f"{reference} again"
+    variants = {**case.variants, copy: case.variants[reference]}
+    control = Pair(f"{case.name}/A-A", copy, reference, "A/A")
+    return dataclasses.replace(case, variants=variants, pairs=[*case.pairs, control])
 
 
 def _build_all(bench: Bench, case: Case) -> tuple[dict[str, Variant], dict[str, str]]:

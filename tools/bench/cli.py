@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tools.bench import __doc__ as bench_doc
-from tools.bench.ab import CaseResult, Policy, VariantResult, keep_variants, run_case
+from tools.bench.ab import CaseResult, Policy, VariantResult, keep_variants, run_case, with_control
 from tools.bench.cases import CASES, PER_RUN_CASES, PER_WORKLOAD_CASES, Context
 from tools.bench.report import table_lines
 from tools.bench.timing import Bench, release_memory
@@ -69,6 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="collective timeout")
     parser.add_argument("--profile", action="store_true", help="GPU time per step by kernel kind, per variant")
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="add an A/A pair per case: its reference built twice, timed against itself (the noise floor)",
+    )
     parser.add_argument("--strict", action="store_true", help="exit 1 when any dcomm variant failed")
     args = parser.parse_args(argv)
     if args.min_rounds is not None and args.max_rounds is not None and args.min_rounds > args.max_rounds:
@@ -115,15 +120,26 @@ def skipped(case: str, workload: str, precision: str, reason: str) -> CaseResult
 
 
 def run_one(
-    bench: Bench, tier: str, policy: Policy, case: str, workload: str, precision: str, variants: Sequence[str] = ()
+    bench: Bench,
+    tier: str,
+    policy: Policy,
+    case: str,
+    workload: str,
+    precision: str,
+    variants: Sequence[str] = (),
+    control: bool = False,
 ) -> CaseResult:
-    """One case on one workload and precision; a failure outside its variants becomes an error."""
+    """One case on one workload and precision; a failure outside its variants becomes an error.
+
+    ``variants``: globs of the variants to keep; ``control``: add the case's A/A pair (:func:`with_control`).
+    """
     # Per-run cases ("-") ignore the workload and precision; they get mlp-wide in fp32.
     model = WORKLOADS[workload if workload != "-" else "mlp-wide"][tier]
     set_tf32(precision not in ("fp32", "-"))
     ctx = Context(bench, model, precision if precision != "-" else "fp32")
     try:
-        return run_case(bench, keep_variants(CASES[case](ctx), variants), policy, workload, precision)
+        kept = keep_variants(CASES[case](ctx), variants)
+        return run_case(bench, with_control(kept) if control else kept, policy, workload, precision)
     except Exception as exc:  # reported in the table
         release_memory()
         return skipped(case, workload, precision, f"error: {short_error(exc)}")
@@ -193,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         if bench.out_of_time():
             results.append(skipped(case, workload, precision, "skipped: the benchmark's time budget was spent"))
             continue
-        result = run_one(bench, tier, policy, case, workload, precision, args.variants)
+        result = run_one(bench, tier, policy, case, workload, precision, args.variants, args.control)
         results.append(result)
         if bench.rank == 0:
             print(f"[bench] {case} {workload} {precision}: {result.rounds} rounds, {result.seconds:.1f}s", flush=True)

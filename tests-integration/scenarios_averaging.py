@@ -196,6 +196,60 @@ def scenario_averaging_in_place_coalesced(rank: int, world_size: int) -> None:
     _assert_same([p.detach() for p in params if p.dtype == torch.float32], [p.detach() for p in theirs], "vs torch")
 
 
+@scenario(min_world_size=2, backends=("nccl",))
+def scenario_averaging_in_place_joins_allocations(rank: int, world_size: int) -> None:
+    """NCCL: separate parameters laid back to back in one CUDA allocation are averaged as one allreduce.
+
+    Six 2 MiB parameters allocated in turn from a fresh memory pool lie back to back in one
+    segment. Rank 0 allocates a spacer after the third, so only the links every rank has are
+    kept: two joined spans of three on every rank (with each rank joining what it alone could,
+    the allreduces would not match). Against the float64 mean, eager and replayed as a CUDA
+    graph, with the parameters' storage kept and no extra device memory in eager or replayed calls.
+    """
+    from dcomm.averaging import _recipes as recipes
+    from dcomm.averaging import parameters as impl
+
+    pool = torch.cuda.MemPool()
+    shape = (512, 1024)  # 2 MiB of fp32: carved from the allocator's 20 MiB segments, no rounding gap
+
+    def values(r: int, call: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(100 * r + call)
+        return [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(6)]
+
+    params: list[torch.nn.Parameter] = []
+    spacers = []  # kept alive: freed, the next parameter would take its place
+    with torch.cuda.use_mem_pool(pool):
+        for index in range(6):
+            params.append(torch.nn.Parameter(torch.empty(shape, device=device())))
+            if index == 2 and rank == 0:
+                spacers.append(torch.empty(2**18 + 128, device=device()))  # 1 MiB and a bit: the same segment
+    ends = [p.data_ptr() + p.nbytes for p in params]
+    local_links = sum(ends[i] == params[i + 1].data_ptr() for i in range(5))
+    assert local_links == (4 if rank == 0 else 5), f"rank {rank}: {local_links} back-to-back pairs"
+    calls: list[list[torch.Tensor]] = []
+    observed = recipes._Paths(on_in_place=lambda tensors: calls.append(list(tensors)))
+    pointers = [p.data_ptr() for p in params]
+    for call in range(5):  # the third call is captured as a CUDA graph, the later ones replay it
+        with torch.no_grad():
+            for param, value in zip(params, values(rank, call), strict=True):
+                param.copy_(value.float())
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, observed)
+        if call != 0 and call != 2:  # not the first call (its agreement) nor the capture
+            assert torch.cuda.max_memory_allocated() == base, f"call {call}: extra device memory"
+        everyone = [values(r, call) for r in range(world_size)]
+        for i, param in enumerate(params):
+            want = torch.stack([v[i] for v in everyone]).mean(0)
+            torch.testing.assert_close(
+                param.detach().double().cpu(), want, rtol=1e-6, atol=1e-6, msg=f"call {call} #{i}"
+            )
+    assert [p.data_ptr() for p in params] == pointers, "a parameter moved"
+    assert calls, "the in-place path was not taken"
+    assert all([t.numel() for t in c] == [3 * 512 * 1024] * 2 for c in calls), [[t.numel() for t in c] for c in calls]
+
+
 @scenario(min_world_size=2)
 def scenario_averaging_in_place_staged(rank: int, world_size: int) -> None:
     """NCCL: parameters under 4 MiB streamed through the staging cap by the Triton table, the rest in place.

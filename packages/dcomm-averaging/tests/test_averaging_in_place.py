@@ -156,7 +156,9 @@ def _sizes(chunks: Iterator[list[torch.Tensor]]) -> list[list[int]]:
 
 
 def _merged(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return layout._merged(tensors, layout._adjacent_runs(tensors, [(t.data_ptr(), t.nbytes) for t in tensors]))
+    spans = [(t.data_ptr(), t.nbytes) for t in tensors]
+    regions = layout.memory_regions(tensors)  # on the CPU: each tensor's storage
+    return layout._merged(tensors, layout.chains(layout.successors(spans, regions)))
 
 
 def _overlap(tensors: list[torch.Tensor]) -> bool:
@@ -265,14 +267,63 @@ def test_merge_adjacent() -> None:
     assert merged.shape == (20,)
     merged.add_(1)  # a view, not a copy
     assert flat[0].item() == 1
-    backwards = pieces[::-1]  # out of order: nothing joined
-    assert all(a is b for a, b in zip(_merged(backwards), backwards, strict=True))
+    backwards = pieces[::-1]  # listed out of memory order: joined all the same, in memory order
+    (joined,) = _merged(backwards)
+    assert (joined.data_ptr(), joined.shape) == (flat.data_ptr(), (20,))
     apart = [flat[0:5], flat[6:10], flat[10:20]]
     out = _merged(apart)
     assert [t.numel() for t in out] == [5, 14]
     assert out[0] is apart[0]
     separate = [torch.zeros(3), torch.zeros(3)]
     assert all(a is b for a, b in zip(_merged(separate), separate, strict=True))
+
+
+def test_links_stay_within_a_region() -> None:
+    # (address, bytes): 0 -> 1 back to back; 2 starts where 1 ends but in another region; 3 after a gap.
+    spans = [(1024, 512), (1536, 512), (2048, 512), (2600, 8)]
+    assert layout.successors(spans, ["a", "a", "b", "b"]) == [1, -1, -1, -1]
+    assert layout.successors(spans, ["a"] * 4) == [1, 2, -1, -1]
+    assert layout.successors(spans[::-1], ["a"] * 4) == [-1, -1, 1, 2]  # found by address, not position
+    assert layout.chains([1, 2, -1, -1]) == [[0, 1, 2], [3]]
+    assert layout.chains([-1, -1, 1, 2]) == [[0], [3, 2, 1]]  # each chain in memory order
+    assert layout.chains([-1] * 3) == [[0], [1], [2]]
+    # Off CUDA a tensor's region is its storage: separate CPU tensors never join, whatever their addresses.
+    a, b = torch.zeros(4), torch.zeros(4)
+    assert layout.memory_regions([a, b]) == [("storage", a.data_ptr()), ("storage", b.data_ptr())]
+
+
+def _agreement_checks(rank: int, world: int) -> None:
+    """On NCCL the ranks keep only the links every rank has (here gloo stands in, regions faked per rank)."""
+    tensors = [torch.zeros(128) for _ in range(5)]  # 512 bytes each: a whole allocator block
+    spans = [(4096 * i, 512) for i in range(5)]  # not back to back on their own: the faked links decide
+    # Every rank links 0 -> 1; only rank 0 links 1 -> 2; each rank links 3 to a different successor.
+    links = {0: [1, 2, -1, 4, -1], 1: [1, -1, -1, -1, -1]}.get(rank, [1, -1, -1, 2 + rank % 3, -1])
+
+    def fake(*_: Any) -> list[int]:
+        return links
+
+    real = recipes.successors
+    recipes.successors = fake
+    try:
+        agreed = recipes._joins(tensors, spans, dist.group.WORLD, by_nccl=True)
+        local = recipes._joins(tensors, spans, dist.group.WORLD, by_nccl=False)  # no collective
+    finally:
+        recipes.successors = real
+    assert agreed == [1, -1, -1, -1, -1]
+    assert local == links
+    assert recipes._joins(tensors[:1], spans[:1], dist.group.WORLD, by_nccl=True) == [-1]
+    # No byte count a multiple of 512: nothing can follow a tensor in its allocation, no collective.
+    odd = [torch.zeros(5) for _ in range(5)]
+    recipes.successors = fake
+    try:
+        assert recipes._joins(odd, spans, dist.group.WORLD, by_nccl=True) == links
+    finally:
+        recipes.successors = real
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_agree_on_joined_tensors(world: int) -> None:
+    run_ranks(_agreement_checks, world)
 
 
 def test_overlap() -> None:

@@ -2,7 +2,7 @@
 
 Averaging is elementwise, so a dense parameter is averaged through a 1-D view of its elements in
 memory order (channels-last included), and parameters that lie back to back in one storage (a
-flattened model) are averaged as one tensor.
+flattened model), or on CUDA in one device allocation, are averaged as one tensor.
 
 Example::
 
@@ -14,8 +14,11 @@ Example::
 from __future__ import annotations
 
 import itertools
+from collections.abc import Hashable, Sequence
 
 import torch
+
+from dcomm.averaging._allocations import allocation_bases, span_over
 
 
 def memory_order_view(param: torch.Tensor) -> torch.Tensor | None:
@@ -64,38 +67,72 @@ def _overlap(spans: list[tuple[int, int]]) -> bool:
     return any(b[0] < a[0] + a[1] for a, b in itertools.pairwise(ordered))
 
 
-def _adjacent_runs(tensors: list[torch.Tensor], spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``(start, count)`` of each run of consecutive dense tensors that lie back to back in one storage.
+def successors(spans: list[tuple[int, int]], regions: Sequence[Hashable]) -> list[int]:
+    """For each tensor, the index of the one that starts where it ends in the same region, else -1.
 
-    ``spans`` are the tensors' ``(address, bytes)``. Parameters carved out of one flat buffer (a
-    flattened model) then cost one allreduce, at the full bandwidth of a raw allreduce of the
-    same bytes, instead of one each.
+    ``spans`` are the tensors' ``(address, bytes)`` (disjoint: see :func:`_overlap`); ``regions[i]``
+    names the memory tensor ``i`` lies in, and a link never crosses from one region into another.
+    A region is a storage (parameters carved out of one flat buffer, a flattened model) or, on
+    CUDA, a device allocation (:func:`memory_regions`): separate parameters that the caching
+    allocator placed back to back. Linked tensors are averaged as one (:func:`chains`).
     """
-    runs: list[tuple[int, int]] = []
-    run_end = 0
-    for index, (tensor, (address, nbytes)) in enumerate(zip(tensors, spans, strict=True)):
-        if runs and address == run_end and _same_storage(tensors[index - 1], tensor):
-            start, count = runs[-1]
-            runs[-1] = (start, count + 1)
-        else:
-            runs.append((index, 1))
-        run_end = address + nbytes
-    return runs
+    located = list(zip(spans, regions, strict=True))
+    starts = {(region, address): index for index, ((address, _), region) in enumerate(located)}
+    return [starts.get((region, address + nbytes), -1) for (address, nbytes), region in located]
 
 
-def _merged(tensors: list[torch.Tensor], runs: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """One tensor per run: the tensor itself, or one 1-D view over the run's back-to-back tensors."""
-    return [_span(tensors[start : start + count]) for start, count in runs]
+def chains(successor: Sequence[int]) -> list[list[int]]:
+    """The tensors joined along ``successor`` links (:func:`successors`), each chain in memory order.
+
+    Chains come in the order of their first tensor's index; a tensor with no link is a chain of
+    one. Each chain costs one allreduce, at the bandwidth of a raw allreduce of its bytes,
+    instead of one per tensor.
+
+    Example::
+
+        >>> chains([-1, 0, -1, 2])  # 1 ends where 0 starts, 3 where 2 starts
+        [[1, 0], [3, 2]]
+    """
+    linked = {s for s in successor if s >= 0}
+    joined = []
+    for head in range(len(successor)):
+        if head in linked:
+            continue
+        chain = [head]
+        while successor[chain[-1]] >= 0:
+            chain.append(successor[chain[-1]])
+        joined.append(chain)
+    return joined
 
 
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+def memory_regions(tensors: list[torch.Tensor]) -> list[tuple[str, int]]:
+    """Each tensor's region for :func:`successors`: its CUDA allocation where the driver says, else its storage."""
+    bases = allocation_bases(tensors)
+    return [
+        ("allocation", base) if base is not None else ("storage", _storage(tensor))
+        for tensor, base in zip(tensors, bases, strict=True)
+    ]
+
+
+def _merged(tensors: list[torch.Tensor], joined: list[list[int]]) -> list[torch.Tensor]:
+    """One tensor per chain (:func:`chains`): the tensor itself, or one 1-D view over its back-to-back tensors."""
+    return [_span([tensors[i] for i in chain]) for chain in joined]
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 def _span(run: list[torch.Tensor]) -> torch.Tensor:
-    """One 1-D view over the back-to-back tensors of ``run`` (the tensor itself for one)."""
+    """One 1-D view over the back-to-back tensors of ``run``, in memory order (the tensor itself for one).
+
+    Within one storage, a view of it; across storages (one CUDA allocation), a tensor over the
+    run's bytes that owns nothing (:func:`dcomm.averaging._allocations.span_over`).
+    """
     first = run[0]
     if len(run) == 1:
         return first
     numel = sum(t.numel() for t in run)
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,), (1,))
+    if all(_storage(t) == _storage(first) for t in run):
+        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,), (1,))
+    return span_over(first, numel * first.element_size())

@@ -30,7 +30,7 @@ from dcomm.averaging._in_place import (
     _small_ones,
     _staged_ones,
 )
-from dcomm.averaging._layout import _adjacent_runs, _dense, _flat_view, _merged, _overlap
+from dcomm.averaging._layout import _dense, _flat_view, _merged, _overlap, chains, memory_regions, successors
 from dcomm.core import reduced_by_nccl
 from dcomm.core.captured_average import SWITCH, CapturedAverages
 from dcomm.core.environment import switched_on
@@ -126,15 +126,15 @@ def _by_device(
 
 
 class _DeviceRecipe(NamedTuple):
-    """One device's parameters: indices per dtype; for the in-place path, per dtype, their back-to-back
-    runs (None where every run is one tensor), which of the merged tensors to stage (:func:`_staged_ones`,
-    with their table) or else to pack (:func:`_small_ones`, no table); whether NCCL reduces them
-    (then their average may be replayed as a CUDA graph: :func:`_replayed`)."""
+    """One device's parameters: indices per dtype; for the in-place path, per dtype, the chains of
+    back-to-back tensors averaged as one (None where none joined), which of the merged tensors to
+    stage (:func:`_staged_ones`, with their table) or else to pack (:func:`_small_ones`, no table);
+    whether NCCL reduces them (then their average may be replayed as a CUDA graph: :func:`_replayed`)."""
 
     device: torch.device
     groups: list[list[int]]
     in_place: bool
-    runs: list[list[tuple[int, int]] | None]
+    runs: list[list[list[int]] | None]
     small: list[list[int]]
     tables: list[TensorTable | None]
     by_nccl: bool
@@ -155,6 +155,9 @@ _RECIPES: collections.OrderedDict[int, tuple[tuple[Any, ...], _Recipe]] = collec
 passes the same parameters; several parameter lists, or several groups, are averaged in turn)."""
 
 _RECIPES_KEPT = 16
+
+ALLOCATOR_BLOCK_BYTES = 512
+"""PyTorch's CUDA caching allocator rounds every block to a multiple of this many bytes."""
 
 _dtype_of = operator.attrgetter("dtype")
 
@@ -248,10 +251,39 @@ def _replayed(digest: int | None, recipe: _DeviceRecipe, group: dist.ProcessGrou
     return True
 
 
+def _joins(
+    tensors: list[torch.Tensor], spans: list[tuple[int, int]], group: dist.ProcessGroup, by_nccl: bool
+) -> list[int]:
+    """Which tensor each one is joined to (:func:`dcomm.averaging._layout.successors`), the same on every rank.
+
+    Joined tensors become one allreduce, so every rank must join the same ones. Views of one
+    storage join as laid out alike on every rank. On NCCL, separate tensors back to back in one
+    CUDA allocation join too; where they lie depends on each rank's allocations, so the ranks
+    keep only the links that all of them have: one allreduce of 16 bytes per tensor and one
+    device-to-host copy, once per recipe. That is skipped (storages alone join) off NCCL, while a
+    CUDA graph is being captured, and where no tensor's byte count is a multiple of the caching
+    allocator's 512-byte blocks (then nothing can follow it in the same allocation); each of
+    these is the same on every rank.
+    """
+    if len(tensors) < 2:
+        return [-1] * len(tensors)
+    storages = [("storage", t.untyped_storage().data_ptr()) for t in tensors]
+    may_follow = any(t.nbytes % ALLOCATOR_BLOCK_BYTES == 0 for t in tensors)
+    if not (by_nccl and may_follow) or (tensors[0].is_cuda and torch.cuda.is_current_stream_capturing()):
+        return successors(spans, storages)
+    mine = successors(spans, memory_regions(tensors))
+    # One MIN gives every link's smallest value and its largest, negated: the ranks agree where they are equal.
+    bounds = torch.tensor(mine + [-link for link in mine], dtype=torch.int64, device=tensors[0].device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MIN, group=group)
+    agreed = bounds.tolist()
+    low, negated_high = agreed[: len(tensors)], agreed[len(tensors) :]
+    return [link if link == -high else -1 for link, high in zip(low, negated_high, strict=True)]
+
+
 def _prepare(
     params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Paths
 ) -> tuple[_Recipe, dict[torch.device, list[list[torch.Tensor]]]]:
-    """Check every parameter and decide each device's path (raises before any collective).
+    """Check every parameter and decide each device's path (raises before any collective but :func:`_joins`).
 
     ``paths.pack_max_bytes`` must already be bounded by the bucket cap. Also returns the dense
     views it made of the in-place devices' parameters, for this call only (the recipe, which is
@@ -263,7 +295,7 @@ def _prepare(
     for device, groups in by_device.items():
         by_nccl = reduced_by_nccl(group, device)
         in_place = by_nccl if paths.in_place is None else paths.in_place
-        runs: list[list[tuple[int, int]] | None] = []
+        runs: list[list[list[int]] | None] = []
         small: list[list[int]] = []
         tables: list[TensorTable | None] = []
         if in_place:
@@ -272,7 +304,7 @@ def _prepare(
             in_place = not _overlap([span for group_spans in spans for span in group_spans])
         if in_place:
             for ts, sp in zip(tensors, spans, strict=True):
-                group_runs = _adjacent_runs(ts, sp)
+                group_runs = chains(_joins(ts, sp, group, by_nccl))
                 merged = _merged(ts, group_runs)
                 runs.append(group_runs if len(merged) < len(ts) else None)
                 staged, table = _staged_ones(merged, paths.stage_below_bytes, paths.stage_run_bytes)

@@ -1,0 +1,77 @@
+"""CUDA memory that separate parameters share: which allocation an address lies in, and one tensor over a span.
+
+PyTorch's caching allocator carves many tensors out of one device allocation (a segment), back
+to back when their sizes are multiples of its 512-byte rounding, as most parameters' are. Such
+parameters can be averaged as one span, one allreduce instead of one each, though each has its
+own storage. :func:`allocation_bases` asks the CUDA driver (``cuMemGetAddressRange``, through
+ctypes) where each tensor's allocation begins, so that a span never crosses from one allocation
+into another; where the driver cannot be asked, the answers are None and nothing is joined.
+
+Example::
+
+    >>> allocation_bases([torch.zeros(3)])  # CPU memory has no CUDA allocation
+    [None]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["allocation_bases", "span_over"]
+
+
+@functools.cache
+def _address_range() -> Callable[..., int] | None:
+    """The driver's ``cuMemGetAddressRange_v2``, or None where there is no CUDA driver to load."""
+    try:
+        function = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    function.restype = ctypes.c_int
+    return function
+
+
+def allocation_bases(tensors: list[torch.Tensor]) -> list[int | None]:
+    """The address of the device allocation each tensor's data lies in (None where unknown: CPU, no driver).
+
+    The tensors must share one device. Two tensors with the same base lie in one ``cudaMalloc``.
+    """
+    address_range = _address_range()
+    if not tensors or address_range is None or tensors[0].device.type != "cuda":
+        return [None] * len(tensors)
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    bases: list[int | None] = []
+    with torch.cuda.device(tensors[0].device):  # the driver answers for the current context
+        for tensor in tensors:
+            found = address_range(ctypes.byref(base), ctypes.byref(size), tensor.data_ptr()) == 0
+            bases.append(base.value if found else None)
+    return bases
+
+
+class _CudaArray:
+    """``nbytes`` bytes of device memory at ``address``, as the CUDA array interface (owning nothing)."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__: dict[str, Any] = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "strides": None,
+            "version": 3,
+        }
+
+
+def span_over(first: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """A 1-D tensor of ``first``'s dtype over the ``nbytes`` bytes that start at ``first``'s data.
+
+    For CUDA tensors that lie back to back in one allocation (see :func:`allocation_bases`). It
+    owns no memory: use it only while the tensors it covers live.
+    """
+    raw = torch.as_tensor(_CudaArray(first.data_ptr(), nbytes), device=first.device)
+    return raw.view(first.dtype)

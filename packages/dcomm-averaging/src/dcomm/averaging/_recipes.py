@@ -134,7 +134,7 @@ class _DeviceRecipe(NamedTuple):
     device: torch.device
     groups: list[list[int]]
     in_place: bool
-    runs: list[list[list[int]] | None]
+    joined: list[list[list[int]] | None]
     small: list[list[int]]
     tables: list[TensorTable | None]
     by_nccl: bool
@@ -295,7 +295,7 @@ def _prepare(
     for device, groups in by_device.items():
         by_nccl = reduced_by_nccl(group, device)
         in_place = by_nccl if paths.in_place is None else paths.in_place
-        runs: list[list[list[int]] | None] = []
+        joined: list[list[list[int]] | None] = []
         small: list[list[int]] = []
         tables: list[TensorTable | None] = []
         if in_place:
@@ -304,13 +304,13 @@ def _prepare(
             in_place = not _overlap([span for group_spans in spans for span in group_spans])
         if in_place:
             for ts, sp in zip(tensors, spans, strict=True):
-                group_runs = chains(_joins(ts, sp, group, by_nccl))
-                merged = _merged(ts, group_runs)
-                runs.append(group_runs if len(merged) < len(ts) else None)
+                group_chains = chains(_joins(ts, sp, group, by_nccl))
+                merged = _merged(ts, group_chains)
+                joined.append(group_chains if len(merged) < len(ts) else None)
                 staged, table = _staged_ones(merged, paths.stage_below_bytes, paths.stage_run_bytes)
                 small.append(staged if table is not None else _small_ones(merged, paths.pack_max_bytes))
                 tables.append(table)
-        devices.append(_DeviceRecipe(device, groups, in_place, runs, small, tables, by_nccl))
+        devices.append(_DeviceRecipe(device, groups, in_place, joined, small, tables, by_nccl))
     return _Recipe(devices, integers), dense
 
 
@@ -329,8 +329,8 @@ def _average_on_device(
     if groups is None:
         groups = [[_dense(params[i]) for i in indices] for indices in recipe.groups]
     if recipe.in_place:
-        for tensors, runs, small, table in zip(groups, recipe.runs, recipe.small, recipe.tables, strict=True):
-            merged = tensors if runs is None else _merged(tensors, runs)
+        for tensors, group_chains, small, table in zip(groups, recipe.joined, recipe.small, recipe.tables, strict=True):
+            merged = tensors if group_chains is None else _merged(tensors, group_chains)
             if paths.on_in_place is not None:
                 paths.on_in_place(merged)
             staged = None if table is None else (table, cap_bytes)

@@ -147,8 +147,10 @@ def average_parameters(
     ``process_group`` defaults to WORLD; on a rank outside it this changes nothing. Parameters may
     live on several devices and have several dtypes: each ``(device, dtype)`` group is averaged in
     its own dtype. GPU parameters on an NCCL group are divided and allreduced in their own
-    storage: one grouped NCCL launch for up to 1024 parameters of 1 MiB or more, one allreduce for
-    parameters that lie back to back in one storage; the smaller ones are streamed through at
+    storage: one allreduce for parameters that lie back to back in memory (views of one storage,
+    or separate parameters in one CUDA allocation, as the caching allocator places most of a
+    model's; the ranks join only what every rank can), one grouped NCCL launch for up to 1024 of
+    the others of 1 MiB or more; the smaller ones are streamed through at
     most ``bucket_cap_mb`` of staging, a few allreduces in all (with Triton; without it the ones
     of 64 KiB or less are packed into at most 1 MiB). Elsewhere
     (gloo, CPU) they go through buckets of at most ``bucket_cap_mb`` MiB of extra memory per
@@ -165,6 +167,9 @@ def average_parameters(
 
     Every rank of the group must pass the same parameters in the same order, laid out alike (views
     of one buffer on one rank are views of one buffer on every rank, as the same model code gives).
+    On NCCL the ranks agree which parameters to join in one small collective whenever the
+    parameters or their storage change, so replace a parameter's storage (``param.data = ...``,
+    ``load_state_dict(..., assign=True)``) on every rank or on none.
     Everything is checked before the first collective, so a bad parameter raises with nothing
     averaged: an empty ``params`` (torch raises too; the peers would otherwise wait for this rank),
     a sparse, meta or complex tensor, a CPU tensor on an NCCL group.

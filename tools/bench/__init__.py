@@ -17,7 +17,9 @@ parameters; ``diloco`` trains each workload (fp32) with dcomm's ``DiLoCoOptimize
 ``DiLoCo`` (where torchft imports) and DDP, reporting bytes per step and the loss too;
 ``hook-latency`` times hook calls over many small buckets. Each case builds all its
 variants once and times them in shuffled rounds (:mod:`tools.bench.ab`); each compared pair is
-reported as the median per-round ratio with a 95% bootstrap interval. Rank 0 prints the table
+reported as the median per-round ratio with a 95% bootstrap interval; ``--control`` adds an A/A
+pair per case (its reference built twice, timed against itself: what identical code reads, the
+resolution of the case's other ratios). Rank 0 prints the table
 and writes the JSON (device, world size, link, torch version, date, every sample);
 ``python -m tools.bench_chart`` draws it. ``--link slow`` labels the run and picks sizes for
 ~1 GB/s; the slow link itself is the NCCL environment above. NVLink multicast is always off.

@@ -302,23 +302,20 @@ def _agreement_checks(rank: int, world: int) -> None:
     def fake(*_: Any) -> list[int]:
         return links
 
+    # No byte count a multiple of 512: nothing can follow a tensor in its allocation, no collective.
+    odd = [torch.zeros(5) for _ in range(5)]
     real = recipes.successors
     recipes.successors = fake
     try:
         agreed = recipes._joins(tensors, spans, dist.group.WORLD, by_nccl=True)
         local = recipes._joins(tensors, spans, dist.group.WORLD, by_nccl=False)  # no collective
+        unaligned = recipes._joins(odd, spans, dist.group.WORLD, by_nccl=True)
     finally:
         recipes.successors = real
     assert agreed == [1, -1, -1, -1, -1]
     assert local == links
+    assert unaligned == links
     assert recipes._joins(tensors[:1], spans[:1], dist.group.WORLD, by_nccl=True) == [-1]
-    # No byte count a multiple of 512: nothing can follow a tensor in its allocation, no collective.
-    odd = [torch.zeros(5) for _ in range(5)]
-    recipes.successors = fake
-    try:
-        assert recipes._joins(odd, spans, dist.group.WORLD, by_nccl=True) == links
-    finally:
-        recipes.successors = real
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -42,8 +42,8 @@ def allocation_bases(tensors: list[torch.Tensor]) -> list[int | None]:
 
     The tensors must share one device. Two tensors with the same base lie in one ``cudaMalloc``.
     """
-    address_range = _address_range()
-    if not tensors or address_range is None or tensors[0].device.type != "cuda":
+    address_range = _address_range() if tensors and tensors[0].device.type == "cuda" else None
+    if address_range is None:  # no CUDA tensors (the driver is not even loaded), or no driver
         return [None] * len(tensors)
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
     bases: list[int | None] = []

@@ -105,12 +105,17 @@ def chains(successor: Sequence[int]) -> list[list[int]]:
     return joined
 
 
+def storage_regions(tensors: list[torch.Tensor]) -> list[tuple[str, int]]:
+    """Each tensor's storage as its region for :func:`successors` (views of one buffer join, nothing else)."""
+    return [("storage", _storage(tensor)) for tensor in tensors]
+
+
 def memory_regions(tensors: list[torch.Tensor]) -> list[tuple[str, int]]:
     """Each tensor's region for :func:`successors`: its CUDA allocation where the driver says, else its storage."""
     bases = allocation_bases(tensors)
     return [
-        ("allocation", base) if base is not None else ("storage", _storage(tensor))
-        for tensor, base in zip(tensors, bases, strict=True)
+        ("allocation", base) if base is not None else storage
+        for base, storage in zip(bases, storage_regions(tensors), strict=True)
     ]
 
 

@@ -30,7 +30,16 @@ from dcomm.averaging._in_place import (
     _small_ones,
     _staged_ones,
 )
-from dcomm.averaging._layout import _dense, _flat_view, _merged, _overlap, chains, memory_regions, successors
+from dcomm.averaging._layout import (
+    _dense,
+    _flat_view,
+    _merged,
+    _overlap,
+    chains,
+    memory_regions,
+    storage_regions,
+    successors,
+)
 from dcomm.core import reduced_by_nccl
 from dcomm.core.captured_average import SWITCH, CapturedAverages
 from dcomm.core.environment import switched_on
@@ -267,10 +276,9 @@ def _joins(
     """
     if len(tensors) < 2:
         return [-1] * len(tensors)
-    storages = [("storage", t.untyped_storage().data_ptr()) for t in tensors]
     may_follow = any(t.nbytes % ALLOCATOR_BLOCK_BYTES == 0 for t in tensors)
     if not (by_nccl and may_follow) or (tensors[0].is_cuda and torch.cuda.is_current_stream_capturing()):
-        return successors(spans, storages)
+        return successors(spans, storage_regions(tensors))
     mine = successors(spans, memory_regions(tensors))
     # One MIN gives every link's smallest value and its largest, negated: the ranks agree where they are equal.
     bounds = torch.tensor(mine + [-link for link in mine], dtype=torch.int64, device=tensors[0].device)

@@ -38,12 +38,15 @@ def forced(
     launch_max_tensors: int = in_place._LAUNCH_MAX_TENSORS,
     bucket_cap_mb: float = impl.DEFAULT_BUCKET_CAP_MB,
     pack_max_bytes: int = 0,
+    small_min_tensors: int = 2,
 ) -> None:
     """average_parameters with the in-place path forced; ``calls`` gets the tensors of each in-place call.
 
-    Small parameters are not packed unless ``pack_max_bytes`` says so (see test_small_ones_packed).
+    Small parameters are not packed unless ``pack_max_bytes`` says so (see test_small_ones_packed),
+    and then from two of them on unless ``small_min_tensors`` says otherwise.
     """
     paths = recipes._Paths(True, launch_max_tensors, None if calls is None else calls.append, pack_max_bytes)
+    paths = paths._replace(small_min_tensors=small_min_tensors)
     impl._average_parameters(params, group, bucket_cap_mb, paths)
 
 
@@ -253,6 +256,25 @@ def _packing_checks(rank: int, world: int) -> None:
         # Extra memory: the packed buffers only (gloo may hold one until its next collective).
         sizes = [n * size for n, size in zip(packed, (4, 2, 2), strict=False)]
         assert (sizes[0] if sizes else 0) <= mem.peak <= sum(sizes), (cap, mem.peak)
+
+    # By default fewer than SMALL_MIN_TENSORS small ones (here 3, 2 and 2 per dtype) are neither
+    # packed nor staged: they go in the grouped launch with the large ones, with no memory at all.
+    assert in_place.SMALL_MIN_TENSORS > 3
+    params = make_params(rank, PACKING, seed=21)
+    launches.clear()
+    singles.clear()
+    type(group).allreduce_coalesced = counting  # type: ignore[method-assign]
+    type(group).allreduce = counting_single  # type: ignore[method-assign]
+    try:
+        with AllocationTracker() as mem:
+            forced(params, None, pack_max_bytes=in_place.PACK_MAX_BYTES, small_min_tensors=in_place.SMALL_MIN_TENSORS)
+    finally:
+        type(group).allreduce_coalesced = real_coalesced  # type: ignore[method-assign]
+        type(group).allreduce = real_single  # type: ignore[method-assign]
+    assert_averaged(params, exact_mean(everyone, PACKING, seed=21))
+    assert launches[0] == [64 * 300, 7, 15, 129 * 128, 11]
+    assert singles == []
+    assert mem.peak == 0
 
 
 def test_small_ones_packed() -> None:

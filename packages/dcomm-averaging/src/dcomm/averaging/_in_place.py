@@ -7,7 +7,7 @@ way per run), or, without Triton, packed into one buffer of at most 1 MiB.
 
 Example::
 
-    >>> _small_ones([torch.zeros(4), torch.zeros(2**20), torch.zeros(8)], pack_max_bytes=2**20)
+    >>> _small_ones([torch.zeros(4), torch.zeros(2**20), torch.zeros(8)], pack_max_bytes=2**20, min_tensors=2)
     [0, 2]
 """
 
@@ -42,6 +42,14 @@ much as a grouped launch spends on some 50 parameters: below 1 MiB staging wins 
 581-tensor model 3.2x -> 1.6x a raw allreduce of the same bytes; staging up to 4 MiB made more
 runs: 4.9x at the default cap, 2.4x at 64 MiB)."""
 
+SMALL_MIN_TENSORS = 8
+"""Fewer small parameters than this are neither staged nor packed: they join the grouped launch.
+
+A staging run costs about 0.2 ms of host time eagerly and up to ``bucket_cap_mb`` of memory
+(held by a replayed graph); in a grouped launch a parameter costs a few microseconds and no
+memory. A model whose small parameters lie back to back (joined into a few tensors) then
+averages with no extra memory at all."""
+
 _LAUNCH_MAX_TENSORS = 1024
 """At most this many tensors per grouped NCCL launch of the in-place path (one launch is fastest).
 
@@ -49,27 +57,32 @@ Half the 2048 operations per group that NCCL documents as its limit (up to 2.11 
 """
 
 
-def _small_ones(tensors: list[torch.Tensor], pack_max_bytes: int) -> list[int]:
-    """Indices of the small tensors to pack together (in order, at most ``pack_max_bytes``); none if fewer than 2."""
+def _small_ones(tensors: list[torch.Tensor], pack_max_bytes: int, min_tensors: int = SMALL_MIN_TENSORS) -> list[int]:
+    """Indices of the small tensors to pack together (in order, at most ``pack_max_bytes``).
+
+    None where fewer than ``min_tensors`` (and two) qualify: they stay in the grouped launch.
+    """
     small: list[int] = []
     room = pack_max_bytes
     for index, tensor in enumerate(tensors):
         if tensor.nbytes <= min(SMALL_PARAMETER_BYTES, room):
             small.append(index)
             room -= tensor.nbytes
-    return small if len(small) > 1 else []
+    return small if len(small) >= max(2, min_tensors) else []
 
 
-def _staged_ones(tensors: list[torch.Tensor], below_bytes: int, run_bytes: int) -> tuple[list[int], TensorTable | None]:
+def _staged_ones(
+    tensors: list[torch.Tensor], below_bytes: int, run_bytes: int, min_tensors: int = SMALL_MIN_TENSORS
+) -> tuple[list[int], TensorTable | None]:
     """Indices of the tensors under ``below_bytes`` and their table (see :func:`_average_staged`).
 
-    ``([], None)`` where fewer than two tensors qualify, where Triton or CUDA is missing (the small
+    ``([], None)`` where fewer than ``min_tensors`` (and two) qualify, where Triton or CUDA is missing (the small
     ones are then packed: :func:`_small_ones`), or where half the staging cap (``run_bytes``)
     cannot hold one row of the table.
     """
     staged = [index for index, tensor in enumerate(tensors) if tensor.nbytes < below_bytes]
     members = [tensors[i] for i in staged]
-    if len(staged) < 2 or not tensor_table.usable(members):
+    if len(staged) < max(2, min_tensors) or not tensor_table.usable(members):
         return [], None
     if run_bytes < (tensor_table.BLOCK + 16) * members[0].element_size():
         return [], None

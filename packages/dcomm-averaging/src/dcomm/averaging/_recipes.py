@@ -25,6 +25,7 @@ from dcomm.averaging._buckets import _average_group, _Staging
 from dcomm.averaging._in_place import (
     _LAUNCH_MAX_TENSORS,
     PACK_MAX_BYTES,
+    SMALL_MIN_TENSORS,
     STAGE_BELOW_BYTES,
     _average_in_place,
     _small_ones,
@@ -54,6 +55,7 @@ class _Paths(NamedTuple):
     are better served by the buckets); True or False forces it. ``on_in_place`` sees the tensors
     of every in-place call (before the small ones are staged or packed); ``pack_max_bytes`` 0
     packs none; ``stage_below_bytes`` 0 stages none (the small ones are packed, as without Triton);
+    fewer small ones than ``small_min_tensors`` are neither staged nor packed;
     ``stage_run_bytes`` is set per call (half the cap: the most one staged run holds); ``graphs``
     False never replays a CUDA graph (see :func:`_replayed`).
     """
@@ -63,6 +65,7 @@ class _Paths(NamedTuple):
     on_in_place: Callable[[list[torch.Tensor]], None] | None = None
     pack_max_bytes: int = PACK_MAX_BYTES
     stage_below_bytes: int = STAGE_BELOW_BYTES
+    small_min_tensors: int = SMALL_MIN_TENSORS
     stage_run_bytes: int = 0
     graphs: bool = True
 
@@ -315,8 +318,9 @@ def _prepare(
                 group_chains = chains(_joins(ts, sp, group, by_nccl))
                 merged = _merged(ts, group_chains)
                 joined.append(group_chains if len(merged) < len(ts) else None)
-                staged, table = _staged_ones(merged, paths.stage_below_bytes, paths.stage_run_bytes)
-                small.append(staged if table is not None else _small_ones(merged, paths.pack_max_bytes))
+                fewest = paths.small_min_tensors
+                staged, table = _staged_ones(merged, paths.stage_below_bytes, paths.stage_run_bytes, fewest)
+                small.append(staged if table is not None else _small_ones(merged, paths.pack_max_bytes, fewest))
                 tables.append(table)
         devices.append(_DeviceRecipe(device, groups, in_place, joined, small, tables, by_nccl))
     return _Recipe(devices, integers), dense

@@ -205,6 +205,9 @@ def scenario_averaging_in_place_joins_allocations(rank: int, world_size: int) ->
     kept: two joined spans of three on every rank (with each rank joining what it alone could,
     the allreduces would not match). Against the float64 mean, eager and replayed as a CUDA
     graph, with the parameters' storage kept and no extra device memory in eager or replayed calls.
+    Then the last rank alone gives the fifth parameter new storage: it remakes its recipe with
+    no collective of its own (the others keep theirs; a collective on one rank would hang) and
+    averages the broken span through a buffer, still two spans of three, eager and replayed.
     """
     from dcomm.averaging import _recipes as recipes
     from dcomm.averaging import parameters as impl
@@ -247,6 +250,30 @@ def scenario_averaging_in_place_joins_allocations(rank: int, world_size: int) ->
             )
     assert [p.data_ptr() for p in params] == pointers, "a parameter moved"
     assert calls, "the in-place path was not taken"
+    assert all([t.numel() for t in c] == [3 * 512 * 1024] * 2 for c in calls), [[t.numel() for t in c] for c in calls]
+
+    mover = world_size - 1
+    if rank == mover:
+        params[4].data = params[4].data.clone()  # its own storage now, outside the others' allocation
+    calls.clear()
+    for call in range(5, 10):  # remade on the mover (eager, eager, captured, replayed...), replayed elsewhere
+        with torch.no_grad():
+            for param, value in zip(params, values(rank, call), strict=True):
+                param.copy_(value.float())
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, observed)
+        if rank != mover:
+            assert torch.cuda.max_memory_allocated() == base, f"call {call}: extra device memory on rank {rank}"
+        everyone = [values(r, call) for r in range(world_size)]
+        for i, param in enumerate(params):
+            want = torch.stack([v[i] for v in everyone]).mean(0)
+            torch.testing.assert_close(
+                param.detach().double().cpu(), want, rtol=1e-6, atol=1e-6, msg=f"call {call} #{i}"
+            )
+    if rank == mover:  # elsewhere the kept graph replays: no Python call to observe
+        assert calls, "the in-place path was not taken"
     assert all([t.numel() for t in c] == [3 * 512 * 1024] * 2 for c in calls), [[t.numel() for t in c] for c in calls]
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed.algorithms.model_averaging.utils as torch_utils
 from test_averaging_parameters import MIB, SPECS, AllocationTracker, assert_averaged, exact_mean, make_params
 
+import dcomm.averaging._agreement as agreement
 import dcomm.averaging._in_place as in_place
 import dcomm.averaging._layout as layout
 import dcomm.averaging._recipes as recipes
@@ -326,23 +327,120 @@ def _agreement_checks(rank: int, world: int) -> None:
 
     # No byte count a multiple of 512: nothing can follow a tensor in its allocation, no collective.
     odd = [torch.zeros(5) for _ in range(5)]
-    real = recipes.successors
-    recipes.successors = fake
+    real = agreement.successors
+    agreement.successors = fake
     try:
-        agreed = recipes._joins(tensors, spans, dist.group.WORLD, by_nccl=True)
-        local = recipes._joins(tensors, spans, dist.group.WORLD, by_nccl=False)  # no collective
-        unaligned = recipes._joins(odd, spans, dist.group.WORLD, by_nccl=True)
+        agreed = agreement.agreed_links(tensors, spans, dist.group.WORLD, by_nccl=True)
+        off_nccl = agreement.agreed_links(tensors, spans, dist.group.WORLD, by_nccl=False)  # no collective
+        unaligned = agreement.agreed_links(odd, spans, dist.group.WORLD, by_nccl=True)
+        alone = agreement.agreed_links(tensors[:1], spans[:1], dist.group.WORLD, by_nccl=True)
     finally:
-        recipes.successors = real
+        agreement.successors = real
     assert agreed == [1, -1, -1, -1, -1]
-    assert local == links
-    assert unaligned == links
-    assert recipes._joins(tensors[:1], spans[:1], dist.group.WORLD, by_nccl=True) == [-1]
+    assert off_nccl is None
+    assert unaligned is None
+    assert alone is None
+    # Without an agreement views of one storage join (alike on every rank), separate storages never.
+    flat = torch.zeros(12)
+    views = [flat[0:4], flat[4:8], torch.zeros(4), flat[8:12]]
+    view_spans = [(t.data_ptr(), t.nbytes) for t in views]
+    assert agreement.local_links(views, view_spans, None) == [1, 3, -1, -1]
+    assert agreement.local_links(views, view_spans, [2, -1, -1, -1]) == [2, -1, -1, -1]
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_agree_on_joined_tensors(world: int) -> None:
     run_ranks(_agreement_checks, world)
+
+
+def _remade_alone_checks(rank: int, world: int) -> None:
+    """A rank that remakes its recipe alone agrees on nothing alone, and averages a chain broken on it through a buffer.
+
+    gloo stands in for NCCL (the ranks agree on the joins; separate CPU storages never join, so
+    the parameters are views of one buffer on every rank). Without the signature's agreement, the
+    rank remaking its recipe would run the agreement's allreduce while the others average: the
+    collectives would not match.
+    """
+    everyone = list(range(world))
+    specs = [((128,), torch.float32, False)] * 4  # 512 bytes each: back to back in one buffer
+
+    def views(seed: int) -> list[torch.nn.Parameter]:
+        flat = torch.cat([p.detach().reshape(-1) for p in make_params(rank, specs, seed)])
+        return [torch.nn.Parameter(flat[128 * i : 128 * (i + 1)]) for i in range(4)]
+
+    agreed: list[int] = []
+    real_links, real_nccl = agreement.agreed_links, recipes.reduced_by_nccl
+
+    def counting(*args: Any) -> list[int] | None:
+        found = real_links(*args)
+        agreed.extend([] if found is None else [1])
+        return found
+
+    agreement.agreed_links = counting  # type: ignore[assignment]
+    recipes.reduced_by_nccl = lambda *_: True  # type: ignore[assignment]
+    paths = recipes._Paths(graphs=False, pack_max_bytes=0)
+    calls: list[list[torch.Tensor]] = []
+    paths = paths._replace(on_in_place=calls.append)
+    try:
+        params = views(seed=41)
+        impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, paths)
+        assert agreed == [1], "the ranks did not agree on the joins"
+        assert [[t.numel() for t in c] for c in calls] == [[512]], "the back-to-back views were not joined"
+        assert_averaged(params, exact_mean(everyone, specs, seed=41))
+
+        # The last rank alone forgets its recipes (a new model that reused the old one's addresses
+        # on some ranks only remakes them there): it follows the kept agreement, with no collective.
+        for call, seed in enumerate((42, 43)):
+            fresh = views(seed)
+            with torch.no_grad():
+                for p, f in zip(params, fresh, strict=True):
+                    p.copy_(f)
+            if rank == world - 1 and call == 0:
+                recipes._RECIPES.clear()
+            impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, paths)
+            assert_averaged(params, exact_mean(everyone, specs, seed=seed))
+        assert agreed == [1], "a rank agreed again, alone"
+
+        # The last rank alone gives the third parameter new storage: the chain is broken there.
+        if rank == world - 1:
+            params[2].data = params[2].data.clone()
+        storage = [p.data_ptr() for p in params]
+        calls.clear()
+        for seed in (44, 45):
+            fresh = views(seed)
+            with torch.no_grad():
+                for p, f in zip(params, fresh, strict=True):
+                    p.copy_(f)
+            impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, paths)
+            assert_averaged(params, exact_mean(everyone, specs, seed=seed))
+        assert agreed == [1], "a rank agreed again, alone"
+        assert [[t.numel() for t in c] for c in calls] == [[512]] * 2, "not one allreduce of all four"
+        assert [p.data_ptr() for p in params] == storage, "a parameter moved"
+        broken = calls[0][0].data_ptr() not in storage
+        assert broken == (rank == world - 1), "only the rank whose chain broke averages through a buffer"
+
+        # Agreements are kept within a bound, dropped alike on every rank (each call looks its signature up).
+        kept, agreement.KEPT = agreement.KEPT, 2
+        try:
+            lists = [params[:count] for count in (2, 3, 4)]
+            for round_ in range(2):
+                for some in lists:
+                    if rank == 0 and round_ == 1:
+                        recipes._RECIPES.clear()  # rank 0 remakes every recipe; the others keep theirs
+                    impl._average_parameters(some, None, impl.DEFAULT_BUCKET_CAP_MB, paths)
+            assert len(agreement._AGREEMENTS) == 2
+        finally:
+            agreement.KEPT = kept
+        counts: list[Any] = [None] * world
+        dist.all_gather_object(counts, len(agreed))
+        assert counts == [7] * world, counts  # 1 + 3 + 3 agreements, the same on every rank
+    finally:
+        agreement.agreed_links, recipes.reduced_by_nccl = real_links, real_nccl  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_remaking_its_recipe_alone(world: int) -> None:
+    run_ranks(_remade_alone_checks, world)
 
 
 def test_overlap() -> None:

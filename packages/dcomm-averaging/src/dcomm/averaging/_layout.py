@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
@@ -119,9 +119,19 @@ def memory_regions(tensors: list[torch.Tensor]) -> list[tuple[str, int]]:
     ]
 
 
-def _merged(tensors: list[torch.Tensor], joined: list[list[int]]) -> list[torch.Tensor]:
-    """One tensor per chain (:func:`chains`): the tensor itself, or one 1-D view over its back-to-back tensors."""
-    return [_span([tensors[i] for i in chain]) for chain in joined]
+def _merged(
+    tensors: list[torch.Tensor], joined: list[list[int]], standing_in: Mapping[int, torch.Tensor] | None = None
+) -> list[torch.Tensor]:
+    """One tensor per chain (:func:`chains`): the tensor itself, or one 1-D view over its back-to-back tensors.
+
+    ``standing_in`` maps a chain's index to the tensor to use instead (a buffer for a chain whose
+    tensors are no longer back to back).
+    """
+    standing_in = standing_in or {}
+    return [
+        standing_in[index] if index in standing_in else _span([tensors[i] for i in chain])
+        for index, chain in enumerate(joined)
+    ]
 
 
 def _storage(tensor: torch.Tensor) -> int:

@@ -21,6 +21,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from dcomm.averaging import _agreement
+from dcomm.averaging._agreement import Agreement
 from dcomm.averaging._buckets import _average_group, _Staging
 from dcomm.averaging._in_place import (
     _LAUNCH_MAX_TENSORS,
@@ -31,17 +33,8 @@ from dcomm.averaging._in_place import (
     _small_ones,
     _staged_ones,
 )
-from dcomm.averaging._layout import (
-    _dense,
-    _flat_view,
-    _merged,
-    _overlap,
-    chains,
-    memory_regions,
-    storage_regions,
-    successors,
-)
-from dcomm.core import reduced_by_nccl
+from dcomm.averaging._layout import _dense, _flat_view, _merged, _overlap, chains
+from dcomm.core import foreach_copy_, reduced_by_nccl
 from dcomm.core.captured_average import SWITCH, CapturedAverages
 from dcomm.core.environment import switched_on
 from dcomm.core.tensor_table import TensorTable
@@ -141,7 +134,12 @@ class _DeviceRecipe(NamedTuple):
     """One device's parameters: indices per dtype; for the in-place path, per dtype, the chains of
     back-to-back tensors averaged as one (None where none joined), which of the merged tensors to
     stage (:func:`_staged_ones`, with their table) or else to pack (:func:`_small_ones`, no table);
-    whether NCCL reduces them (then their average may be replayed as a CUDA graph: :func:`_replayed`)."""
+    whether NCCL reduces them (then their average may be replayed as a CUDA graph: :func:`_replayed`).
+
+    ``rejoined``: per dtype, a buffer for each agreed chain that no longer lies back to back on
+    this rank (:func:`dcomm.averaging._agreement.broken_chains`), by chain index: its tensors are
+    copied in, averaged as one, and copied back, so that every rank still makes the same allreduces.
+    """
 
     device: torch.device
     groups: list[list[int]]
@@ -150,16 +148,20 @@ class _DeviceRecipe(NamedTuple):
     small: list[list[int]]
     tables: list[TensorTable | None]
     by_nccl: bool
+    rejoined: list[dict[int, torch.Tensor]]
 
 
 class _Recipe(NamedTuple):
     """What :func:`_prepare` decided for one list of parameters: indices and staging tables, never a parameter.
 
     A table holds the staged parameters' addresses, which the call key pins (their ``data_ptr``).
+    ``agreement``: the joins agreed by the ranks that the recipe follows; the recipe holds only
+    while its call signature keeps that agreement.
     """
 
     devices: list[_DeviceRecipe]
     integers: list[int]
+    agreement: Agreement
 
 
 _RECIPES: collections.OrderedDict[int, tuple[tuple[Any, ...], _Recipe]] = collections.OrderedDict()
@@ -168,25 +170,27 @@ passes the same parameters; several parameter lists, or several groups, are aver
 
 _RECIPES_KEPT = 16
 
-ALLOCATOR_BLOCK_BYTES = 512
-"""PyTorch's CUDA caching allocator rounds every block to a multiple of this many bytes."""
-
 _dtype_of = operator.attrgetter("dtype")
 
 
-def _call_key(params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Paths) -> tuple[Any, ...] | None:
-    """What must not change for a recipe to hold: the parameters, their storage, dtype and size, the paths.
+def _call_key(
+    params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Paths
+) -> tuple[tuple[Any, ...] | None, tuple[Any, ...]]:
+    """What must not change for a recipe to hold, and the call's signature, alike on every rank.
 
-    Flat tuples, cheap to build and hash (a recipe depends on each parameter's address and byte
-    count, not on its shape). None when a parameter has no storage address (sparse): such calls
-    are prepared every time.
+    The key: the group, the parameters and their storage, the signature (the paths, each
+    parameter's size and dtype: :func:`dcomm.averaging._agreement.signature`). Flat tuples, cheap
+    to build and hash (a recipe depends on each parameter's address and byte count, not on its
+    shape). The key is None when a parameter has no storage address (sparse): such calls are
+    prepared every time.
     """
+    sizes = tuple(map(torch.Tensor.numel, params))
+    signature = _agreement.signature(group, paths, sizes, tuple(map(_dtype_of, params)))
     try:
         pointers = tuple(map(torch.Tensor.data_ptr, params))
     except RuntimeError:
-        return None
-    sizes = tuple(map(torch.Tensor.numel, params))
-    return (id(group), paths, tuple(map(id, params)), pointers, sizes, tuple(map(_dtype_of, params)))
+        return None, signature
+    return (id(group), signature, tuple(map(id, params)), pointers), signature
 
 
 def _recipe_for(key: tuple[Any, ...] | None) -> tuple[int | None, _Recipe | None]:
@@ -263,44 +267,21 @@ def _replayed(digest: int | None, recipe: _DeviceRecipe, group: dist.ProcessGrou
     return True
 
 
-def _joins(
-    tensors: list[torch.Tensor], spans: list[tuple[int, int]], group: dist.ProcessGroup, by_nccl: bool
-) -> list[int]:
-    """Which tensor each one is joined to (:func:`dcomm.averaging._layout.successors`), the same on every rank.
-
-    Joined tensors become one allreduce, so every rank must join the same ones. Views of one
-    storage join as laid out alike on every rank. On NCCL, separate tensors back to back in one
-    CUDA allocation join too; where they lie depends on each rank's allocations, so the ranks
-    keep only the links that all of them have: one allreduce of 16 bytes per tensor and one
-    device-to-host copy, once per recipe. That is skipped (storages alone join) off NCCL, while a
-    CUDA graph is being captured, and where no tensor's byte count is a multiple of the caching
-    allocator's 512-byte blocks (then nothing can follow it in the same allocation); each of
-    these is the same on every rank.
-    """
-    if len(tensors) < 2:
-        return [-1] * len(tensors)
-    may_follow = any(t.nbytes % ALLOCATOR_BLOCK_BYTES == 0 for t in tensors)
-    if not (by_nccl and may_follow) or (tensors[0].is_cuda and torch.cuda.is_current_stream_capturing()):
-        return successors(spans, storage_regions(tensors))
-    mine = successors(spans, memory_regions(tensors))
-    # One MIN gives every link's smallest value and its largest, negated: the ranks agree where they are equal.
-    bounds = torch.tensor(mine + [-link for link in mine], dtype=torch.int64, device=tensors[0].device)
-    dist.all_reduce(bounds, op=dist.ReduceOp.MIN, group=group)
-    agreed = bounds.tolist()
-    low, negated_high = agreed[: len(tensors)], agreed[len(tensors) :]
-    return [link if link == -high else -1 for link, high in zip(low, negated_high, strict=True)]
-
-
 def _prepare(
-    params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Paths
+    params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Paths, agreement: Agreement | None
 ) -> tuple[_Recipe, dict[torch.device, list[list[torch.Tensor]]]]:
-    """Check every parameter and decide each device's path (raises before any collective but :func:`_joins`).
+    """Check every parameter and decide each device's path (raises before any collective but the agreement's).
 
-    ``paths.pack_max_bytes`` must already be bounded by the bucket cap. Also returns the dense
-    views it made of the in-place devices' parameters, for this call only (the recipe, which is
-    kept, holds indices).
+    ``agreement``: the joins the ranks agreed on for this call's signature, or None: then they
+    agree now (:func:`dcomm.averaging._agreement.agreed_links`), on every rank alike, and the
+    recipe holds the new agreement. ``paths.pack_max_bytes`` must already be bounded by the bucket
+    cap. Also returns the dense views it made of the in-place devices' parameters, for this call
+    only (the recipe, which is kept, holds indices).
     """
     by_device, integers = _by_device(params, group)
+    agreeing = agreement is None
+    links: list[list[int] | None] = [] if agreement is None else agreement.links
+    position = 0  # of the in-place (device, dtype) group in the agreement
     devices = []
     dense: dict[torch.device, list[list[torch.Tensor]]] = {}
     for device, groups in by_device.items():
@@ -309,21 +290,29 @@ def _prepare(
         joined: list[list[list[int]] | None] = []
         small: list[list[int]] = []
         tables: list[TensorTable | None] = []
+        rejoined: list[dict[int, torch.Tensor]] = []
         if in_place:
             tensors = dense[device] = [[_dense(params[i]) for i in indices] for indices in groups]
             spans = [[(t.data_ptr(), t.nbytes) for t in ts] for ts in tensors]
             in_place = not _overlap([span for group_spans in spans for span in group_spans])
         if in_place:
             for ts, sp in zip(tensors, spans, strict=True):
-                group_chains = chains(_joins(ts, sp, group, by_nccl))
-                merged = _merged(ts, group_chains)
+                if agreeing:
+                    links.append(_agreement.agreed_links(ts, sp, group, by_nccl))
+                agreed = links[position]
+                position += 1
+                group_chains = chains(_agreement.local_links(ts, sp, agreed))
+                broken = [] if agreeing or agreed is None else _agreement.broken_chains(ts, sp, group_chains)
+                buffers = {i: ts[0].new_empty(sum(ts[j].numel() for j in group_chains[i])) for i in broken}
+                merged = _merged(ts, group_chains, buffers)
                 joined.append(group_chains if len(merged) < len(ts) else None)
                 fewest = paths.small_min_tensors
                 staged, table = _staged_ones(merged, paths.stage_below_bytes, paths.stage_run_bytes, fewest)
                 small.append(staged if table is not None else _small_ones(merged, paths.pack_max_bytes, fewest))
                 tables.append(table)
-        devices.append(_DeviceRecipe(device, groups, in_place, joined, small, tables, by_nccl))
-    return _Recipe(devices, integers), dense
+                rejoined.append(buffers)
+        devices.append(_DeviceRecipe(device, groups, in_place, joined, small, tables, by_nccl, rejoined))
+    return _Recipe(devices, integers, Agreement(links) if agreement is None else agreement), dense
 
 
 def _average_on_device(
@@ -341,12 +330,26 @@ def _average_on_device(
     if groups is None:
         groups = [[_dense(params[i]) for i in indices] for indices in recipe.groups]
     if recipe.in_place:
-        for tensors, group_chains, small, table in zip(groups, recipe.joined, recipe.small, recipe.tables, strict=True):
-            merged = tensors if group_chains is None else _merged(tensors, group_chains)
+        for tensors, group_chains, small, table, buffers in zip(
+            groups, recipe.joined, recipe.small, recipe.tables, recipe.rejoined, strict=True
+        ):
+            merged = tensors if group_chains is None else _merged(tensors, group_chains, buffers)
             if paths.on_in_place is not None:
                 paths.on_in_place(merged)
             staged = None if table is None else (table, cap_bytes)
+            if not buffers:
+                _average_in_place(merged, group, paths.launch_max_tensors, small, staged)
+                continue
+            assert group_chains is not None  # buffers stand in for chains only
+            members = [tensors[i].reshape(-1) for chain_index in buffers for i in group_chains[chain_index]]
+            pieces = [
+                piece
+                for chain_index, buffer in buffers.items()
+                for piece in buffer.split([tensors[i].numel() for i in group_chains[chain_index]])
+            ]
+            foreach_copy_(pieces, members)
             _average_in_place(merged, group, paths.launch_max_tensors, small, staged)
+            foreach_copy_(members, pieces)
         return
     flat_groups = [[t if t.dim() == 1 else t.view(-1) for t in ts] for ts in groups]
     staging = _Staging(

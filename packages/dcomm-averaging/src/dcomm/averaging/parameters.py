@@ -50,6 +50,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from dcomm.averaging import _agreement
 from dcomm.averaging._recipes import (
     _average_on_device,
     _call_key,
@@ -117,11 +118,16 @@ def _average_parameters(
         pack_max_bytes=min(paths.pack_max_bytes, int(cap_bytes)), stage_run_bytes=int(cap_bytes // 2)
     )
     params = list(params)
-    key = _call_key(params, group, paths)
+    key, signature = _call_key(params, group, paths)
     digest, recipe = _recipe_for(key)
+    # Looked up on every call, so every rank agrees at the same calls whatever its kept recipes.
+    agreement = _agreement.lookup(signature)
+    if recipe is not None and recipe.agreement is not agreement:
+        recipe = None  # made under an agreement dropped since (or, if None, about to be made again)
     dense: dict[torch.device, list[list[torch.Tensor]]] = {}
     if recipe is None:
-        recipe, dense = _prepare(params, group, paths)
+        recipe, dense = _prepare(params, group, paths, agreement)
+        _agreement.keep(signature, recipe.agreement)
     if key is not None and digest is not None:
         _keep(digest, key, recipe)
     graph_key = digest if paths.graphs else None
@@ -167,9 +173,10 @@ def average_parameters(
 
     Every rank of the group must pass the same parameters in the same order, laid out alike (views
     of one buffer on one rank are views of one buffer on every rank, as the same model code gives).
-    On NCCL the ranks agree which parameters to join in one small collective whenever the
-    parameters or their storage change, so replace a parameter's storage (``param.data = ...``,
-    ``load_state_dict(..., assign=True)``) on every rank or on none.
+    On NCCL the ranks agree which parameters to join in one small collective the first time they
+    pass parameters of these sizes and dtypes; a rank whose parameters get new storage later
+    (``param.data = ...``, ``load_state_dict(..., assign=True)``), on its own or with the others,
+    keeps what was agreed, averaging parameters no longer back to back through a buffer.
     Everything is checked before the first collective, so a bad parameter raises with nothing
     averaged: an empty ``params`` (torch raises too; the peers would otherwise wait for this rank),
     a sparse, meta or complex tensor, a CPU tensor on an NCCL group.

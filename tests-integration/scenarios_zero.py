@@ -162,3 +162,24 @@ def scenario_zero_overlap_fused_adam(rank: int, world_size: int) -> None:
         options = {"reduce_scatter": rs, "step_mode": "fused"}
         zero = _train_against_plain_zero(case, rank, builder, allreduce_hook, 1, adam={"fused": True}, **options)
         assert zero.optim.defaults["fused"] is True, f"{case}: the local optimizer is not the fused Adam"
+
+
+@scenario(min_world_size=2)
+def scenario_zero_overlap_fused_local_step(rank: int, world_size: int) -> None:
+    """Adam left to torch's default: the local step runs fused on CUDA, plain (foreach) ZeRO's parameters at every step.
+
+    The fused kernel keeps Adam's step counters on the device: they tell which implementation
+    stepped. The groups still say ``fused=None`` (torch's state-dict format). With
+    ``foreach=True`` chosen, or off CUDA, torch's implementation stays.
+    """
+    builders = (hook_with_zero_step, hook_with_zero_step_interleaved)
+    on_cuda = device().type == "cuda"
+    for builder, rs, (adam, fused) in itertools.product(
+        builders, (False, True), (({}, on_cuda), ({"foreach": True}, False))
+    ):
+        case = f"local step {builder.__name__}(reduce_scatter={rs}), Adam {adam}"
+        zero = _train_against_plain_zero(case, rank, builder, allreduce_hook, 1, adam=adam, reduce_scatter=rs)
+        steps = [state["step"] for state in zero.optim.state.values() if "step" in state]
+        assert steps, f"{case}: nothing was stepped"
+        assert all(step.is_cuda == fused for step in steps), f"{case}: expected fused={fused}"
+        assert all(group["fused"] is None for group in zero.optim.param_groups), case

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import importlib
 import inspect
 import itertools
 import warnings
@@ -1099,3 +1100,62 @@ def test_checkpoints_resume_errors_and_fallback(step_mode: str) -> None:
 def test_globally_unused_parameter_is_not_stepped(world: int, step_mode: str) -> None:
     """find_unused_parameters=True: a parameter no rank used (or frozen) is skipped, as plain ZeRO does."""
     assert run_ranks(_suite, world, ["_unused"], step_mode, timeout=300) == [1] * world
+
+
+def test_fused_local_step_only_where_torch_picks_adams_implementation() -> None:
+    """The overlap hooks' local step runs fused only for torch's own Adam/AdamW on CUDA left to its default."""
+    from dcomm.ddp._zero.fused_step import fusable, fused
+
+    def params() -> list[torch.nn.Parameter]:
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    # CPU parameters, a choice already made, differentiable, a tensor learning rate, a subclass,
+    # another optimizer: torch's own implementation stays.
+    refused = [
+        torch.optim.Adam(params()),
+        torch.optim.Adam(params(), foreach=True),
+        torch.optim.AdamW(params(), fused=False),
+        torch.optim.Adam(params(), differentiable=True),
+        torch.optim.Adam(params(), lr=torch.tensor(1e-3)),
+        MyAdam(params()),
+        torch.optim.SGD(params(), lr=0.1),
+    ]
+    assert not any(fusable(opt) for opt in refused)
+    if torch.cuda.is_available():
+        on_gpu = [torch.nn.Parameter(p.detach().cuda()) for p in params()]
+        assert fusable(torch.optim.Adam(on_gpu))
+        assert fusable(torch.optim.AdamW(on_gpu, weight_decay=0.1))
+
+    # The context: fused inside (torch's fused CPU kernel here), ``fused=None`` again after, the
+    # update of torch's default implementation up to float rounding, state_dict format kept.
+    ours, theirs = params(), params()
+    opt, ref = torch.optim.AdamW(ours, lr=0.1, weight_decay=0.1), torch.optim.AdamW(theirs, lr=0.1, weight_decay=0.1)
+    seen: list[object] = []
+    adam_module = importlib.import_module("torch.optim.adam")  # Adam.step (AdamW's too) calls its ``adam``
+    real_adam = adam_module.adam
+
+    def spying(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs["fused"])
+        return real_adam(*args, **kwargs)
+
+    adam_module.adam = spying
+    try:
+        for step in range(3):
+            for mine, other in zip(ours, theirs, strict=True):
+                mine.grad = torch.full_like(mine, float(step + 1)) + mine.detach()
+                other.grad = torch.full_like(other, float(step + 1)) + other.detach()
+            with fused(opt):
+                assert all(group["fused"] is True for group in opt.param_groups)
+                opt.step()
+            ref.step()
+    finally:
+        adam_module.adam = real_adam
+    assert seen == [True, None] * 3
+    assert all(group["fused"] is None for group in opt.param_groups)
+    for mine, other in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine, other, rtol=1e-6, atol=1e-6)
+    assert opt.state_dict()["param_groups"] == ref.state_dict()["param_groups"]

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 import dcomm.ddp._torch_private as private
 from dcomm.core import all_gather_single, start_all_gather
 from dcomm.ddp._zero.forward_waits import ForwardWaits
+from dcomm.ddp._zero.fused_step import fusable, fused
 from dcomm.ddp._zero.layout import partition
 from dcomm.ddp._zero.step_mode import log_fixed_choice, logger, step_calibration
 
@@ -238,6 +240,8 @@ class Driver:
 
         Each parameter is stepped with the hyperparameters of its own group. They are copied from
         ``zero.param_groups`` once per backward pass (see :meth:`begin_backward`), not per call.
+        Adam and AdamW left to torch's default implementation step in its fused kernel on CUDA
+        (:mod:`dcomm.ddp._zero.fused_step`).
         """
         groups = self.zero.optim.param_groups
         everything = [group["params"] for group in groups]
@@ -252,7 +256,9 @@ class Driver:
         try:
             for group, subset in zip(groups, chosen, strict=True):
                 group["params"] = subset
-            self.zero.optim.step()
+            optim = self.zero.optim
+            with fused(optim) if fusable(optim) else contextlib.nullcontext():
+                optim.step()
         finally:
             for group, own in zip(groups, everything, strict=True):
                 group["params"] = own

@@ -209,7 +209,8 @@ def _cuda_paths(rank: int, world: int) -> list[str]:
         model, ref_model = _model().to(device), _model().to(device)
         ddp, ref_ddp = DDP(model, bucket_cap_mb=BUCKET_MB), DDP(ref_model, bucket_cap_mb=BUCKET_MB)
         zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True)
-        ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam)
+        # dcomm's local step runs torch's fused Adam on CUDA: compare with plain ZeRO on the same kernel.
+        ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam, fused=True)
         hook = hook_with_zero_step(allreduce_hook, ddp, zero, shard_buckets=True, reduce_scatter=rs, step_mode=mode)
         ddp.register_comm_hook(None, hook)
         for step in range(12):

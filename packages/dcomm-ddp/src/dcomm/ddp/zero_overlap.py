@@ -62,10 +62,15 @@ settled (:mod:`dcomm.ddp.native_hooks`), with one Python call per backward pass.
 ``gather_during_forward=True`` (either layout) the collectives returning the updated parameters
 are not waited for at the end of backward: each module's next forward waits for its own
 parameters' (saving or loading the state dict waits for all of them; :func:`wait_for_parameters`
-does so on demand). The parameters equal those of non-overlapped ZeRO up to summation order
-(float32: within rtol 1e-5 / atol 1e-6 after several Adam steps; bit-identical on 2 gloo ranks).
+does so on demand). The parameters equal those of non-overlapped ZeRO with the same Adam kernel up
+to summation order (float32: within rtol 1e-5 / atol 1e-6 after several Adam steps; bit-identical on
+2 gloo ranks).
 ``zero.state_dict()`` stays torch's per-parameter format (slices are joined on consolidation and
 cut again on load), so checkpoints move between every layout and non-overlapped ZeRO.
+
+Where ``zero``'s Adam or AdamW leaves ``foreach`` and ``fused`` unset, the local step on CUDA runs
+torch's fused kernel (the same update up to rounding, one pass instead of a dozen; its param groups
+keep ``fused=None``): see :mod:`dcomm.ddp._zero.fused_step`.
 
 ``step_mode`` (keyword-only) says when the local optimizer runs. ``"per_bucket"`` steps each
 bucket's parameters as described above, overlapping the update with the rest of backward: it pays

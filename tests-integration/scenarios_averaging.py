@@ -232,7 +232,9 @@ def scenario_averaging_in_place_joins_allocations(rank: int, world_size: int) ->
     calls: list[list[torch.Tensor]] = []
     observed = recipes._Paths(on_in_place=lambda tensors: calls.append(list(tensors)))
     pointers = [p.data_ptr() for p in params]
-    for call in range(5):  # the third call is captured as a CUDA graph, the later ones replay it
+
+    def average_and_check(call: int, allocates: bool) -> None:
+        """Average call ``call``'s values; the float64 mean, and no extra device memory unless ``allocates``."""
         with torch.no_grad():
             for param, value in zip(params, values(rank, call), strict=True):
                 param.copy_(value.float())
@@ -240,14 +242,17 @@ def scenario_averaging_in_place_joins_allocations(rank: int, world_size: int) ->
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, observed)
-        if call != 0 and call != 2:  # not the first call (its agreement) nor the capture
-            assert torch.cuda.max_memory_allocated() == base, f"call {call}: extra device memory"
+        if not allocates:
+            assert torch.cuda.max_memory_allocated() == base, f"call {call}: extra device memory on rank {rank}"
         everyone = [values(r, call) for r in range(world_size)]
         for i, param in enumerate(params):
             want = torch.stack([v[i] for v in everyone]).mean(0)
             torch.testing.assert_close(
                 param.detach().double().cpu(), want, rtol=1e-6, atol=1e-6, msg=f"call {call} #{i}"
             )
+
+    for call in range(5):  # the third call is captured as a CUDA graph, the later ones replay it
+        average_and_check(call, allocates=call in (0, 2))  # the first call (its agreement), the capture
     assert [p.data_ptr() for p in params] == pointers, "a parameter moved"
     assert calls, "the in-place path was not taken"
     assert all([t.numel() for t in c] == [3 * 512 * 1024] * 2 for c in calls), [[t.numel() for t in c] for c in calls]
@@ -257,21 +262,7 @@ def scenario_averaging_in_place_joins_allocations(rank: int, world_size: int) ->
         params[4].data = params[4].data.clone()  # its own storage now, outside the others' allocation
     calls.clear()
     for call in range(5, 10):  # remade on the mover (eager, eager, captured, replayed...), replayed elsewhere
-        with torch.no_grad():
-            for param, value in zip(params, values(rank, call), strict=True):
-                param.copy_(value.float())
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        impl._average_parameters(params, None, impl.DEFAULT_BUCKET_CAP_MB, observed)
-        if rank != mover:
-            assert torch.cuda.max_memory_allocated() == base, f"call {call}: extra device memory on rank {rank}"
-        everyone = [values(r, call) for r in range(world_size)]
-        for i, param in enumerate(params):
-            want = torch.stack([v[i] for v in everyone]).mean(0)
-            torch.testing.assert_close(
-                param.detach().double().cpu(), want, rtol=1e-6, atol=1e-6, msg=f"call {call} #{i}"
-            )
+        average_and_check(call, allocates=rank == mover)
     if rank == mover:  # elsewhere the kept graph replays: no Python call to observe
         assert calls, "the in-place path was not taken"
     assert all([t.numel() for t in c] == [3 * 512 * 1024] * 2 for c in calls), [[t.numel() for t in c] for c in calls]

@@ -226,6 +226,24 @@ def _packing_checks(rank: int, world: int) -> None:
         singles.append(sum(t.numel() for t in tensors))
         return real_single(self, tensors, options)
 
+    def averaged(**options: Any) -> tuple[list[torch.nn.Parameter], AllocationTracker]:
+        """PACKING's parameters averaged in place by ``forced(**options)``, collectives counted; the allocations."""
+        params = make_params(rank, PACKING, seed=21)
+        before = _pointers(params)
+        launches.clear()
+        singles.clear()
+        type(group).allreduce_coalesced = counting  # type: ignore[method-assign]
+        type(group).allreduce = counting_single  # type: ignore[method-assign]
+        try:
+            with AllocationTracker() as mem:
+                forced(params, None, **options)
+        finally:
+            type(group).allreduce_coalesced = real_coalesced  # type: ignore[method-assign]
+            type(group).allreduce = real_single  # type: ignore[method-assign]
+        assert _pointers(params) == before, "a parameter moved"
+        assert_averaged(params, exact_mean(everyone, PACKING, seed=21))
+        return params, mem
+
     # (cap, the fp32 launch, the packed elements per dtype (fp32, bf16, fp16), the packed bytes):
     # the grouped launch holds the large ones (and small ones that did not fit); the packed small
     # ones follow it as one allreduce of their own.
@@ -238,20 +256,7 @@ def _packing_checks(rank: int, world: int) -> None:
     cases = [(cap, launch, packed, impl.DEFAULT_BUCKET_CAP_MB) for cap, launch, packed in cases]
     cases.append((in_place.PACK_MAX_BYTES, cases[1][1], cases[1][2], 100 / MIB))
     for cap, fp32_launch, packed, bucket_mb in cases:
-        params = make_params(rank, PACKING, seed=21)
-        before = _pointers(params)
-        launches.clear()
-        singles.clear()
-        type(group).allreduce_coalesced = counting  # type: ignore[method-assign]
-        type(group).allreduce = counting_single  # type: ignore[method-assign]
-        try:
-            with AllocationTracker() as mem:
-                forced(params, None, pack_max_bytes=cap, bucket_cap_mb=bucket_mb)
-        finally:
-            type(group).allreduce_coalesced = real_coalesced  # type: ignore[method-assign]
-            type(group).allreduce = real_single  # type: ignore[method-assign]
-        assert _pointers(params) == before, "a parameter moved"
-        assert_averaged(params, exact_mean(everyone, PACKING, seed=21))
+        _, mem = averaged(pack_max_bytes=cap, bucket_cap_mb=bucket_mb)
         assert launches[0] == fp32_launch
         assert singles == packed
         # Extra memory: the packed buffers only (gloo may hold one until its next collective).
@@ -261,18 +266,7 @@ def _packing_checks(rank: int, world: int) -> None:
     # By default fewer than SMALL_MIN_TENSORS small ones (here 3, 2 and 2 per dtype) are neither
     # packed nor staged: they go in the grouped launch with the large ones, with no memory at all.
     assert in_place.SMALL_MIN_TENSORS > 3
-    params = make_params(rank, PACKING, seed=21)
-    launches.clear()
-    singles.clear()
-    type(group).allreduce_coalesced = counting  # type: ignore[method-assign]
-    type(group).allreduce = counting_single  # type: ignore[method-assign]
-    try:
-        with AllocationTracker() as mem:
-            forced(params, None, pack_max_bytes=in_place.PACK_MAX_BYTES, small_min_tensors=in_place.SMALL_MIN_TENSORS)
-    finally:
-        type(group).allreduce_coalesced = real_coalesced  # type: ignore[method-assign]
-        type(group).allreduce = real_single  # type: ignore[method-assign]
-    assert_averaged(params, exact_mean(everyone, PACKING, seed=21))
+    _, mem = averaged(pack_max_bytes=in_place.PACK_MAX_BYTES, small_min_tensors=in_place.SMALL_MIN_TENSORS)
     assert launches[0] == [64 * 300, 7, 15, 129 * 128, 11]
     assert singles == []
     assert mem.peak == 0

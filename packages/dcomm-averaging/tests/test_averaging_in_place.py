@@ -428,6 +428,16 @@ def _remade_alone_checks(rank: int, world: int) -> None:
         counts: list[Any] = [None] * world
         dist.all_gather_object(counts, len(agreed))
         assert counts == [7] * world, counts  # 1 + 3 + 3 agreements, the same on every rank
+
+        # Parameters that aliased each other when their signature was agreed (no in-place group
+        # then, so no links) and no longer do: views of one storage alone join, no new collective.
+        flat = torch.arange(8, dtype=torch.float32) * (rank + 1)
+        impl._average_parameters([flat[0:6], flat[2:8]], None, impl.DEFAULT_BUCKET_CAP_MB, paths)
+        separate = [torch.full((6,), float(rank)), torch.full((6,), float(2 * rank))]
+        impl._average_parameters(separate, None, impl.DEFAULT_BUCKET_CAP_MB, paths)
+        assert len(agreed) == 7, "the ranks agreed again"
+        torch.testing.assert_close(separate[0], torch.full((6,), (world - 1) / 2))
+        torch.testing.assert_close(separate[1], torch.full((6,), float(world - 1)))
     finally:
         agreement.agreed_links, recipes.reduced_by_nccl = real_links, real_nccl  # type: ignore[assignment]
 

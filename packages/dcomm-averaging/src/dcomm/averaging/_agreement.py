@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from dcomm.averaging._layout import memory_regions, storage_regions, successors
 
-__all__ = ["Agreement", "agreed_links", "broken_chains", "keep", "lookup", "signature"]
+__all__ = ["Agreement", "agreed_links", "broken_chains", "keep", "links_for", "local_links", "lookup", "signature"]
 
 ALLOCATOR_BLOCK_BYTES = 512
 """PyTorch's CUDA caching allocator rounds every block to a multiple of this many bytes."""
@@ -97,6 +97,16 @@ def agreed_links(
     agreed = bounds.tolist()
     low, negated_high = agreed[: len(tensors)], agreed[len(tensors) :]
     return [link if link == -high else -1 for link, high in zip(low, negated_high, strict=True)]
+
+
+def links_for(links: Sequence[list[int] | None], position: int, count: int) -> list[int] | None:
+    """The agreed links of the ``position``-th in-place group, if they were agreed for ``count`` tensors.
+
+    None (views of one storage alone join) where the agreement has no such group: it was made
+    when these parameters took another path (they aliased each other then, say).
+    """
+    agreed = links[position] if position < len(links) else None
+    return agreed if agreed is not None and len(agreed) == count else None
 
 
 def local_links(tensors: list[torch.Tensor], spans: list[tuple[int, int]], agreed: list[int] | None) -> list[int]:

@@ -299,7 +299,7 @@ def _prepare(
             for ts, sp in zip(tensors, spans, strict=True):
                 if agreeing:
                     links.append(_agreement.agreed_links(ts, sp, group, by_nccl))
-                agreed = links[position]
+                agreed = _agreement.links_for(links, position, len(ts))
                 position += 1
                 group_chains = chains(_agreement.local_links(ts, sp, agreed))
                 broken = [] if agreeing or agreed is None else _agreement.broken_chains(ts, sp, group_chains)

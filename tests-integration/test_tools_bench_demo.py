@@ -43,7 +43,8 @@ EXPECTED_ROWS = {
     "zero": {"zero/bound", "zero/step", "zero/interleaved", "zero/step+rs", "zero/interleaved+rs"}
     | {f"zero/{hook}{rs}+gather_during_forward" for hook in ("step", "interleaved") for rs in ("", "+rs")}
     | {f"zero/step{rs}{gf} {mode}" for rs in ("", "+rs") for gf in ("", "+gf") for mode in ("fused", "per_bucket")}
-    | {"zero/step C++ vs python", "zero/step+rs C++ vs python", "zero/step fused-adam", "zero/step+rs fused-adam"},
+    | {"zero/step C++ vs python", "zero/step+rs C++ vs python", "zero/step fused-adam", "zero/step+rs fused-adam"}
+    | {"zero/step fused local step", "zero/step+rs fused local step"},
     "fsdp": {"fsdp/reduce_scatter", "fsdp/fp16", "fsdp/bf16", "fsdp/allreduce"},
     "fully_shard": {"fully_shard/fp16", "fully_shard/bf16"},
     "hook-latency": {f"hook-latency/{h} {kind}" for h in ("allreduce", "fp16", "bf16") for kind in ("call", "step")},

@@ -10,7 +10,9 @@ reduce-scatter and one all-gather per bucket), and each also with ``gather_durin
 and their ``+rs``, ``+gf`` and ``+rs+gf`` forms force one. A ``reduce_scatter`` variant reports
 ``fallback_count`` of its hook: buckets allreduced instead, after DDP settled its buckets. The
 ``... fused-adam`` variants use Adam with ``fused=True`` on both sides (rows ``zero/step
-fused-adam`` against ``no overlap fused-adam``). ``dcomm step python`` is ``dcomm step`` kept a
+fused-adam`` against ``no overlap fused-adam``); ``dcomm step foreach-adam`` (and ``+rs``) choose
+``foreach=True``, which keeps dcomm's local step off the fused kernel it uses by default on CUDA
+(rows ``zero/step fused local step``: the default against it). ``dcomm step python`` is ``dcomm step`` kept a
 Python hook (``DCOMM_NATIVE_HOOKS=0``): the row ``zero/step C++ vs python`` shows what averaging
 the buckets in C++ on DDP's reducer saves; ``dcomm step+rs python`` and its row the same for the
 reduce-scatters of ``reduce_scatter=True``.
@@ -53,18 +55,21 @@ def build_zero(
     gather_during_forward: bool = False,
     python: bool = False,
     fused_adam: bool = False,
+    foreach_adam: bool = False,
 ) -> Variant:
     """DDP + ZeroRedundancyOptimizer(Adam); ``overlap = (impl, hook row)`` steps inside backward.
 
     ``step_mode`` (dcomm only) forces a step path; None keeps the hook's default (``"auto"``).
     ``gather_during_forward`` (dcomm) lets the next forward wait for each module's parameters.
     ``python`` (dcomm): register the hook as a Python hook only. ``fused_adam``: Adam with
-    ``fused=True`` (one kernel per step on CUDA) instead of torch's default foreach Adam.
+    ``fused=True`` (one kernel per step on CUDA) instead of torch's default foreach Adam;
+    ``foreach_adam``: Adam with ``foreach=True`` chosen, which keeps dcomm's local step on torch's
+    foreach kernels (left unset, it runs the fused one on CUDA).
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     ddp = ctx.ddp(ctx.model())
-    adam: dict[str, object] = {"fused": True} if fused_adam else {}
+    adam: dict[str, object] = {"fused": True} if fused_adam else {"foreach": True} if foreach_adam else {}
     zero = ZeroRedundancyOptimizer(
         ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=overlap is not None, lr=LR, **adam
     )
@@ -120,6 +125,13 @@ def zero_case(ctx: Context) -> Case:
         case.pairs.append(Pair(f"zero/{name}", variant, "no overlap", "dcomm/reference"))
     # Adam with fused=True on both sides: what the step costs when it is one kernel.
     case.variants["no overlap fused-adam"] = lambda: build_zero(ctx, None, fused_adam=True)
+    # dcomm's local step on torch's foreach kernels (foreach=True chosen): what its fused default saves.
+    for rs in (False, True):
+        name = f"step{'+rs' if rs else ''}"
+        variant = f"dcomm {name} foreach-adam"
+        case.variants[variant] = functools.partial(build_zero, ctx, ("dcomm", "step"), rs, foreach_adam=True)
+        pair = Pair(f"zero/{name} fused local step", f"dcomm {name}", variant, "dcomm/reference")
+        case.pairs.append(pair)
     # And each step path kept a Python hook (DCOMM_NATIVE_HOOKS=0).
     for rs in (False, True):
         name = f"step{'+rs' if rs else ''}"

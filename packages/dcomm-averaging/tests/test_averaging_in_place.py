@@ -422,7 +422,7 @@ def _remade_alone_checks(rank: int, world: int) -> None:
                     if rank == 0 and round_ == 1:
                         recipes._RECIPES.clear()  # rank 0 remakes every recipe; the others keep theirs
                     impl._average_parameters(some, None, impl.DEFAULT_BUCKET_CAP_MB, paths)
-            assert len(agreement._AGREEMENTS) == 2
+            assert len(agreement._AGREEMENTS[dist.group.WORLD]) == 2
         finally:
             agreement.KEPT = kept
         counts: list[Any] = [None] * world
@@ -438,6 +438,12 @@ def _remade_alone_checks(rank: int, world: int) -> None:
         assert len(agreed) == 7, "the ranks agreed again"
         torch.testing.assert_close(separate[0], torch.full((6,), (world - 1) / 2))
         torch.testing.assert_close(separate[1], torch.full((6,), float(world - 1)))
+
+        # Agreements belong to the group object: a new group over the same ranks agrees anew.
+        fresh = views(seed=46)
+        impl._average_parameters(fresh, dist.new_group(list(range(world))), impl.DEFAULT_BUCKET_CAP_MB, paths)
+        assert len(agreed) == 8, "a new group reused another group's agreement"
+        assert_averaged(fresh, exact_mean(everyone, specs, seed=46))
     finally:
         agreement.agreed_links, recipes.reduced_by_nccl = real_links, real_nccl  # type: ignore[assignment]
 

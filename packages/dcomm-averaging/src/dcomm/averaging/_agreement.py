@@ -2,22 +2,26 @@
 
 Joined tensors are one allreduce, so every rank must join the same ones, yet where memory lies
 differs between ranks. On NCCL the ranks agree in one small collective (:func:`agreed_links`) the
-first time a call's :func:`signature` comes: the group's name, the paths, and the parameters'
-sizes and dtypes, which every rank passes alike. Every call looks its signature up
-(:func:`lookup`), so the ranks agree at the same calls whatever each one's kept recipes (one
-rank's recipe may be remade alone: its parameters got new storage, or a new model reused the old
-one's addresses on some ranks only). A rank whose memory no longer lies as agreed keeps the
-agreed chains and averages a broken one through a buffer of its own (:func:`broken_chains`).
+first time a group sees a call's :func:`signature`: the paths and the parameters' sizes and
+dtypes, which every rank passes alike. Every call looks its signature up in its group's
+agreements (:func:`lookup`), so the ranks agree at the same calls whatever each one's kept
+recipes (one rank's recipe may be remade alone: its parameters got new storage, or a new model
+reused the old one's addresses on some ranks only). Agreements belong to the process group
+object: a group created anew (after ``destroy_process_group``, with fresh processes among its
+members, say) starts with none on every rank. A rank whose memory no longer lies as agreed
+keeps the agreed chains and averages a broken one through a buffer of its own
+(:func:`broken_chains`).
 
 Example::
 
-    >>> lookup(("0", 2, (), (4,), (torch.float32,))) is None  # a signature not seen yet
+    >>> lookup(dist.group.WORLD, signature((), (4,), (torch.float32,))) is None  # doctest: +SKIP
     True
 """
 
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -32,7 +36,7 @@ ALLOCATOR_BLOCK_BYTES = 512
 """PyTorch's CUDA caching allocator rounds every block to a multiple of this many bytes."""
 
 KEPT = 64
-"""At most this many agreements are kept, the least recently used dropped first (on every rank alike)."""
+"""At most this many agreements are kept per group, the least recently used dropped first (on every rank alike)."""
 
 
 class Agreement(NamedTuple):
@@ -46,34 +50,39 @@ class Agreement(NamedTuple):
     links: list[list[int] | None]
 
 
-_AGREEMENTS: collections.OrderedDict[tuple[Any, ...], Agreement] = collections.OrderedDict()
+_AGREEMENTS: weakref.WeakKeyDictionary[dist.ProcessGroup, collections.OrderedDict[tuple[Any, ...], Agreement]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per process group (gone with it), its agreements by signature, most recently used last."""
 
 
-def signature(
-    group: dist.ProcessGroup, paths: Hashable, sizes: tuple[int, ...], dtypes: tuple[Any, ...]
-) -> tuple[Any, ...]:
-    """What names a call alike on every rank: the group's name and size, the paths, the sizes and dtypes."""
-    return (getattr(group, "group_name", id(group)), group.size(), paths, sizes, dtypes)
+def signature(paths: Hashable, sizes: tuple[int, ...], dtypes: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What names a call alike on every rank of its group: the paths, the parameters' sizes and dtypes."""
+    return (paths, sizes, dtypes)
 
 
-def lookup(key: tuple[Any, ...]) -> Agreement | None:
-    """The agreement of signature ``key`` (marked most recent), or None: then the ranks agree anew.
+def lookup(group: dist.ProcessGroup, key: tuple[Any, ...]) -> Agreement | None:
+    """``group``'s agreement for signature ``key`` (marked most recent), or None: then the ranks agree anew.
 
     Called once per call on every rank, so the kept agreements, and what drops out of them, stay
     the same on every rank.
     """
-    found = _AGREEMENTS.get(key)
+    kept = _AGREEMENTS.get(group)
+    if kept is None:
+        return None
+    found = kept.get(key)
     if found is not None:
-        _AGREEMENTS.move_to_end(key)
+        kept.move_to_end(key)
     return found
 
 
-def keep(key: tuple[Any, ...], agreement: Agreement) -> None:
-    """Keep ``agreement`` under signature ``key`` as the most recent, within :data:`KEPT`."""
-    _AGREEMENTS[key] = agreement
-    _AGREEMENTS.move_to_end(key)
-    while len(_AGREEMENTS) > KEPT:
-        _AGREEMENTS.popitem(last=False)
+def keep(group: dist.ProcessGroup, key: tuple[Any, ...], agreement: Agreement) -> None:
+    """Keep ``agreement`` as ``group``'s most recent for signature ``key``, within :data:`KEPT`."""
+    kept = _AGREEMENTS.setdefault(group, collections.OrderedDict())
+    kept[key] = agreement
+    kept.move_to_end(key)
+    while len(kept) > KEPT:
+        kept.popitem(last=False)
 
 
 def agreed_links(

@@ -121,13 +121,13 @@ def _average_parameters(
     key, signature = _call_key(params, group, paths)
     digest, recipe = _recipe_for(key)
     # Looked up on every call, so every rank agrees at the same calls whatever its kept recipes.
-    agreement = _agreement.lookup(signature)
+    agreement = _agreement.lookup(group, signature)
     if recipe is not None and recipe.agreement is not agreement:
         recipe = None  # made under an agreement dropped since (or, if None, about to be made again)
     dense: dict[torch.device, list[list[torch.Tensor]]] = {}
     if recipe is None:
         recipe, dense = _prepare(params, group, paths, agreement)
-        _agreement.keep(signature, recipe.agreement)
+        _agreement.keep(group, signature, recipe.agreement)
     if key is not None and digest is not None:
         _keep(digest, key, recipe)
     graph_key = digest if paths.graphs else None

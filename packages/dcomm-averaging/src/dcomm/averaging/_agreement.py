@@ -14,7 +14,8 @@ keeps the agreed chains and averages a broken one through a buffer of its own
 
 Example::
 
-    >>> lookup(dist.group.WORLD, signature((), (4,), (torch.float32,))) is None  # doctest: +SKIP
+    >>> key = signature((), (4, 4), (torch.float32, torch.float32))
+    >>> lookup(dist.group.WORLD, key) is None  # before the first call with these sizes  # doctest: +SKIP
     True
 """
 

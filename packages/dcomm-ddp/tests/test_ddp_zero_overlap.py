@@ -1159,3 +1159,64 @@ def test_fused_local_step_only_where_torch_picks_adams_implementation() -> None:
     for mine, other in zip(ours, theirs, strict=True):
         torch.testing.assert_close(mine, other, rtol=1e-6, atol=1e-6)
     assert opt.state_dict()["param_groups"] == ref.state_dict()["param_groups"]
+
+
+def _fused_local_step_checks(rank: int, world: int) -> list[bool]:
+    """With the fused local step allowed off CUDA (torch's fused Adam has a CPU kernel), every path
+    equals plain ZeRO on the fused kernel after every step: bit for bit where only the optimizer
+    could differ (parameter ownership, 2 ranks), to float32 rounding with element-wise shards.
+    Returns, per case, whether plain ZeRO with torch's foreach default would have differed."""
+    import dcomm.ddp._zero.driver as driver_module
+
+    real = driver_module.fusable
+
+    def anywhere(optimizer: torch.optim.Optimizer) -> bool:
+        groups = optimizer.param_groups
+        untouched = all(g.get("fused") is None and g.get("foreach") is None for g in groups)
+        return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and untouched
+
+    driver_module.fusable = anywhere
+    differs = []
+    try:
+        for builder, mode, rs in itertools.product(BUILDERS, STEP_PATHS, (False, True)):
+            model = make_model()
+            ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
+            zero = ZeroRedundancyOptimizer(
+                ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True, lr=0.01
+            )
+            hook = BUILDERS[builder](allreduce_hook, ddp, zero, shard_buckets=True, reduce_scatter=rs, step_mode=mode)
+            ddp.register_comm_hook(None, hook)
+            runs = {}
+            for name, adam in (("fused", {"fused": True}), ("foreach", {})):
+                ref_model = make_model()
+                ref_ddp = DDP(ref_model, bucket_cap_mb=BUCKET_MB)
+                ref = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam, lr=0.01, **adam)
+                runs[name] = (ref_model, ref_ddp, ref)
+            changed = False
+            for step in range(4):
+                x = batch(rank, step)
+                train_step(ddp, zero, x, overlap=True)
+                for _, ref_ddp, ref in runs.values():
+                    train_step(ref_ddp, ref, x, overlap=False)
+                ours = flat_parameters(model)
+                fused_ref, foreach_ref = (flat_parameters(runs[name][0]) for name in ("fused", "foreach"))
+                where = f"{builder} {mode} reduce_scatter={rs} step {step}"
+                if rs or world > 2:
+                    torch.testing.assert_close(
+                        ours, fused_ref, rtol=1e-5, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}"
+                    )
+                else:
+                    assert torch.equal(ours, fused_ref), f"{where}: not plain ZeRO's on the fused kernel"
+                changed = changed or not torch.equal(fused_ref, foreach_ref)
+            assert all(group["fused"] is None for group in zero.optim.param_groups), where
+            differs.append(changed)
+    finally:
+        driver_module.fusable = real
+    return differs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fused_local_step_equals_plain_zero_on_the_fused_kernel(world: int) -> None:
+    results = run_ranks(_fused_local_step_checks, world)
+    # The foreach default rounds otherwise: the bit-for-bit check above can tell the kernels apart.
+    assert any(any(differs) for differs in results)

@@ -180,10 +180,9 @@ def _call_key(
 
     The key: the group, the parameters and their storage, the signature (the paths, each
     parameter's size and dtype: :func:`dcomm.averaging._agreement.signature`, looked up in the
-    group's agreements). Flat tuples, cheap
-    to build and hash (a recipe depends on each parameter's address and byte count, not on its
-    shape). The key is None when a parameter has no storage address (sparse): such calls are
-    prepared every time.
+    group's agreements). Flat tuples, cheap to build and hash (a recipe depends on each
+    parameter's address and byte count, not on its shape). The key is None when a parameter has
+    no storage address (sparse): such calls are prepared every time.
     """
     sizes = tuple(map(torch.Tensor.numel, params))
     signature = _agreement.signature(paths, sizes, tuple(map(_dtype_of, params)))

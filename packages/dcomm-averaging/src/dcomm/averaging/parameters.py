@@ -127,7 +127,8 @@ def _average_parameters(
     dense: dict[torch.device, list[list[torch.Tensor]]] = {}
     if recipe is None:
         recipe, dense = _prepare(params, group, paths, agreement)
-        _agreement.keep(group, signature, recipe.agreement)
+        if agreement is None:  # the ranks have just agreed
+            _agreement.keep(group, signature, recipe.agreement)
     if key is not None and digest is not None:
         _keep(digest, key, recipe)
     graph_key = digest if paths.graphs else None

@@ -128,6 +128,7 @@ class Driver:
         # for (or the next backward, for a module that did not run).
         self.forward_waits = ForwardWaits(setup.ddp.module) if setup.gather_during_forward else None
         self._group_of: dict[int, int] | None = None  # id(param) -> its local group (several groups only)
+        self._fused_step = False  # the local step runs torch's fused Adam (decided once per backward pass)
         self.stream: Any = None
         self.fallbacks = 0  # buckets allreduced instead of reduce-scattered once DDP settled
         mode = setup.step_mode
@@ -257,7 +258,7 @@ class Driver:
             for group, subset in zip(groups, chosen, strict=True):
                 group["params"] = subset
             optim = self.zero.optim
-            with fused(optim) if fusable(optim) else contextlib.nullcontext():
+            with fused(optim) if self._fused_step else contextlib.nullcontext():
                 optim.step()
         finally:
             for group, own in zip(groups, everything, strict=True):
@@ -267,6 +268,7 @@ class Driver:
         """Once per backward pass: pick its path and take the hyperparameters set since the last."""
         zero = self.zero
         private.sync_param_groups(zero, zero.param_groups, zero.optim.param_groups)
+        self._fused_step = fusable(zero.optim)  # with the hyperparameters just taken
         if not self.settled and private.has_rebuilt_buckets(self.ddp):
             self.settled = True
         if self.calibration is not None:

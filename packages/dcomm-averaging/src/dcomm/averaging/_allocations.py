@@ -18,9 +18,10 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
+
+from dcomm.core import storage_at
 
 __all__ = ["allocation_bases", "span_over"]
 
@@ -54,24 +55,12 @@ def allocation_bases(tensors: list[torch.Tensor]) -> list[int | None]:
     return bases
 
 
-class _CudaArray:
-    """``nbytes`` bytes of device memory at ``address``, as the CUDA array interface (owning nothing)."""
-
-    def __init__(self, address: int, nbytes: int) -> None:
-        self.__cuda_array_interface__: dict[str, Any] = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (address, False),
-            "strides": None,
-            "version": 3,
-        }
-
-
 def span_over(first: torch.Tensor, nbytes: int) -> torch.Tensor:
     """A 1-D tensor of ``first``'s dtype over the ``nbytes`` bytes that start at ``first``'s data.
 
     For CUDA tensors that lie back to back in one allocation (see :func:`allocation_bases`). It
-    owns no memory: use it only while the tensors it covers live.
+    owns no memory (a storage with no deleter: nothing for NCCL's watchdog thread to release
+    later): use it only while the tensors it covers live.
     """
-    raw = torch.as_tensor(_CudaArray(first.data_ptr(), nbytes), device=first.device)
-    return raw.view(first.dtype)
+    storage = storage_at(first.data_ptr(), first.device, nbytes)
+    return first.new_empty(0).set_(storage, 0, (nbytes // first.element_size(),), (1,))

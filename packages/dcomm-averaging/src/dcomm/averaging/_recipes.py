@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from dcomm.averaging import _agreement
 from dcomm.averaging._agreement import Agreement
+from dcomm.averaging._allocations import span_over
 from dcomm.averaging._buckets import _average_group, _Staging
 from dcomm.averaging._in_place import (
     _LAUNCH_MAX_TENSORS,
@@ -139,6 +140,11 @@ class _DeviceRecipe(NamedTuple):
     ``rejoined``: per dtype, a buffer for each agreed chain that no longer lies back to back on
     this rank (:func:`dcomm.averaging._agreement.broken_chains`), by chain index: its tensors are
     copied in, averaged as one, and copied back, so that every rank still makes the same allreduces.
+
+    ``spans``: per dtype, on CUDA, the merged tensors as 1-D tensors over their bytes that own
+    nothing (:func:`dcomm.averaging._allocations.span_over`), or None (then they are made per
+    call). A recipe is used only while every parameter keeps its address, so the spans are valid
+    whenever it is, and an eager call skips a dense view per parameter and a view per chain.
     """
 
     device: torch.device
@@ -149,6 +155,7 @@ class _DeviceRecipe(NamedTuple):
     tables: list[TensorTable | None]
     by_nccl: bool
     rejoined: list[dict[int, torch.Tensor]]
+    spans: list[list[torch.Tensor] | None]
 
 
 class _Recipe(NamedTuple):
@@ -291,6 +298,7 @@ def _prepare(
         small: list[list[int]] = []
         tables: list[TensorTable | None] = []
         rejoined: list[dict[int, torch.Tensor]] = []
+        owning_nothing: list[list[torch.Tensor] | None] = []
         if in_place:
             tensors = dense[device] = [[_dense(params[i]) for i in indices] for indices in groups]
             spans = [[(t.data_ptr(), t.nbytes) for t in ts] for ts in tensors]
@@ -311,8 +319,23 @@ def _prepare(
                 small.append(staged if table is not None else _small_ones(merged, paths.pack_max_bytes, fewest))
                 tables.append(table)
                 rejoined.append(buffers)
-        devices.append(_DeviceRecipe(device, groups, in_place, joined, small, tables, by_nccl, rejoined))
+                owning_nothing.append(_spans(merged) if device.type == "cuda" and not buffers else None)
+        devices.append(
+            _DeviceRecipe(device, groups, in_place, joined, small, tables, by_nccl, rejoined, owning_nothing)
+        )
     return _Recipe(devices, integers, Agreement(links) if agreement is None else agreement), dense
+
+
+def _spans(merged: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``merged`` as 1-D CUDA tensors over the same bytes that own nothing (see :class:`_DeviceRecipe`)."""
+    return [span_over(tensor, tensor.nbytes) for tensor in merged]
+
+
+def _dense_group(
+    recipe: _DeviceRecipe, position: int, params: list[torch.Tensor], groups: list[list[torch.Tensor]] | None
+) -> list[torch.Tensor]:
+    """The dense views of the ``position``-th dtype's parameters: made by :func:`_prepare` this call, or now."""
+    return groups[position] if groups is not None else [_dense(params[i]) for i in recipe.groups[position]]
 
 
 def _average_on_device(
@@ -327,13 +350,15 @@ def _average_on_device(
 
     ``groups``: their dense views when :func:`_prepare` has just made them, else None.
     """
-    if groups is None:
-        groups = [[_dense(params[i]) for i in indices] for indices in recipe.groups]
     if recipe.in_place:
-        for tensors, group_chains, small, table, buffers in zip(
-            groups, recipe.joined, recipe.small, recipe.tables, recipe.rejoined, strict=True
+        for position, (group_chains, small, table, buffers, spans) in enumerate(
+            zip(recipe.joined, recipe.small, recipe.tables, recipe.rejoined, recipe.spans, strict=True)
         ):
-            merged = tensors if group_chains is None else _merged(tensors, group_chains, buffers)
+            tensors = [] if spans is not None else _dense_group(recipe, position, params, groups)
+            if spans is not None:
+                merged = spans
+            else:
+                merged = tensors if group_chains is None else _merged(tensors, group_chains, buffers)
             if paths.on_in_place is not None:
                 paths.on_in_place(merged)
             staged = None if table is None else (table, cap_bytes)
@@ -351,6 +376,8 @@ def _average_on_device(
             _average_in_place(merged, group, paths.launch_max_tensors, small, staged)
             foreach_copy_(members, pieces)
         return
+    if groups is None:
+        groups = [[_dense(params[i]) for i in indices] for indices in recipe.groups]
     flat_groups = [[t if t.dim() == 1 else t.view(-1) for t in ts] for ts in groups]
     staging = _Staging(
         recipe.device,

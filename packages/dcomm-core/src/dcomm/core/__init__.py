@@ -8,7 +8,7 @@ Example::
 """
 
 from dcomm.core.__about__ import __version__
-from dcomm.core._torch_private import foreach_copy_, foreach_div_, foreach_sub_, views_like
+from dcomm.core._torch_private import foreach_copy_, foreach_div_, foreach_sub_, storage_at, views_like
 from dcomm.core.averaging import AveragePlan, average_sync, plan_average
 from dcomm.core.collectives import (
     all_gather_single,
@@ -83,6 +83,7 @@ __all__ = [
     "start_all_gather",
     "start_allreduce",
     "start_reduce_scatter",
+    "storage_at",
     "subgroups_of_size",
     "views_like",
     "warn_once",

@@ -331,13 +331,6 @@ def _spans(merged: list[torch.Tensor]) -> list[torch.Tensor]:
     return [span_over(tensor, tensor.nbytes) for tensor in merged]
 
 
-def _dense_group(
-    recipe: _DeviceRecipe, position: int, params: list[torch.Tensor], groups: list[list[torch.Tensor]] | None
-) -> list[torch.Tensor]:
-    """The dense views of the ``position``-th dtype's parameters: made by :func:`_prepare` this call, or now."""
-    return groups[position] if groups is not None else [_dense(params[i]) for i in recipe.groups[position]]
-
-
 def _average_on_device(
     recipe: _DeviceRecipe,
     params: list[torch.Tensor],
@@ -354,10 +347,12 @@ def _average_on_device(
         for position, (group_chains, small, table, buffers, spans) in enumerate(
             zip(recipe.joined, recipe.small, recipe.tables, recipe.rejoined, recipe.spans, strict=True)
         ):
-            tensors = [] if spans is not None else _dense_group(recipe, position, params, groups)
             if spans is not None:
-                merged = spans
+                tensors, merged = [], spans
             else:
+                tensors = (
+                    groups[position] if groups is not None else [_dense(params[i]) for i in recipe.groups[position]]
+                )
                 merged = tensors if group_chains is None else _merged(tensors, group_chains, buffers)
             if paths.on_in_place is not None:
                 paths.on_in_place(merged)

@@ -9,6 +9,9 @@ reference); ``dcomm eager`` is dcomm's call with its CUDA graphs switched off
 (``DCOMM_CUDA_GRAPHS=0``; on by default). On CUDA, ``dcomm`` reports the memory that CUDA graphs
 captured since the variant was built hold (``graph MiB held``: what this workload's averages
 added to the graphs' shared pool), which the peak extra memory of a timed step does not show.
+``dcomm flattened`` and ``dcomm eager`` average over process groups of their own: the ranks agree
+on which parameters to join per group and parameter sizes, and a second list of the same sizes
+in one group would be measured on the first list's joins.
 
 Example::
 
@@ -79,7 +82,11 @@ def build_average_parameters(
     """``impl``'s average_parameters, ``calls`` times per step; ``eager``: dcomm's CUDA graphs off."""
     average_parameters = resolve(impl, "average_parameters")
     params = averaged_tensors(ctx, flattened)
-    group = dist.group.WORLD
+    # dcomm's ranks agree once per group and call signature (sizes, dtypes) which parameters
+    # lying back to back to join; a second list of the same shapes in that group follows the
+    # first one's joins, averaging those its own memory breaks through buffers. A user averages
+    # one model: each of dcomm's other variants gets a group of its own, as its only list.
+    group = dist.new_group(list(range(ctx.bench.world))) if flattened or eager else dist.group.WORLD
 
     def step() -> None:
         # Only the switch is set: unittest.mock.patch.dict(os.environ, ...) rewrote the whole
@@ -88,6 +95,10 @@ def build_average_parameters(
             for _ in range(calls):
                 average_parameters(iter(params), group)
 
+    if impl == "dcomm" and ctx.device.type == "cuda":
+        from dcomm.averaging import _native_key
+
+        _native_key.BUILD.wait(timeout_s=600)  # a long run reads its call keys in C++: time that, not the build
     if impl != "dcomm" or eager or flattened or ctx.device.type != "cuda":
         return Variant(step)
     held_before = graph_reserved_mib(ctx.device)  # earlier cases' graphs share the pool

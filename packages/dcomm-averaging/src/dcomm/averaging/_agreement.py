@@ -31,7 +31,17 @@ import torch.distributed as dist
 
 from dcomm.averaging._layout import memory_regions, storage_regions, successors
 
-__all__ = ["Agreement", "agreed_links", "broken_chains", "keep", "links_for", "local_links", "lookup", "signature"]
+__all__ = [
+    "Agreement",
+    "Signature",
+    "agreed_links",
+    "broken_chains",
+    "keep",
+    "links_for",
+    "local_links",
+    "lookup",
+    "signature",
+]
 
 ALLOCATOR_BLOCK_BYTES = 512
 """PyTorch's CUDA caching allocator rounds every block to a multiple of this many bytes."""
@@ -51,18 +61,40 @@ class Agreement(NamedTuple):
     links: list[list[int] | None]
 
 
-_AGREEMENTS: weakref.WeakKeyDictionary[dist.ProcessGroup, collections.OrderedDict[tuple[Any, ...], Agreement]] = (
+_AGREEMENTS: weakref.WeakKeyDictionary[dist.ProcessGroup, collections.OrderedDict[Signature, Agreement]] = (
     weakref.WeakKeyDictionary()
 )
 """Per process group (gone with it), its agreements by signature, most recently used last."""
 
 
-def signature(paths: Hashable, sizes: tuple[int, ...], dtypes: tuple[Any, ...]) -> tuple[Any, ...]:
-    """What names a call alike on every rank of its group: the paths, the parameters' sizes and dtypes."""
-    return (paths, sizes, dtypes)
+class Signature:
+    """What names a call alike on every rank of its group: the paths, the parameters' sizes and dtypes.
+
+    Hashed once: every call looks its signature up (a recipe keeps the one it was made under),
+    and a tuple of a large model's sizes and dtypes would be hashed anew each time.
+    """
+
+    __slots__ = ("_hash", "parts")
+
+    def __init__(self, paths: Hashable, sizes: tuple[int, ...], dtypes: tuple[Any, ...]) -> None:
+        self.parts = (paths, sizes, dtypes)
+        self._hash = hash(self.parts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        return isinstance(other, Signature) and self._hash == other._hash and self.parts == other.parts
 
 
-def lookup(group: dist.ProcessGroup, key: tuple[Any, ...]) -> Agreement | None:
+def signature(paths: Hashable, sizes: tuple[int, ...], dtypes: tuple[Any, ...]) -> Signature:
+    """The :class:`Signature` of a call with these paths and parameters' sizes and dtypes."""
+    return Signature(paths, sizes, dtypes)
+
+
+def lookup(group: dist.ProcessGroup, key: Signature) -> Agreement | None:
     """``group``'s agreement for signature ``key`` (marked most recent), or None: then the ranks agree anew.
 
     Called once per call on every rank, so the kept agreements, and what drops out of them, stay
@@ -77,7 +109,7 @@ def lookup(group: dist.ProcessGroup, key: tuple[Any, ...]) -> Agreement | None:
     return found
 
 
-def keep(group: dist.ProcessGroup, key: tuple[Any, ...], agreement: Agreement) -> None:
+def keep(group: dist.ProcessGroup, key: Signature, agreement: Agreement) -> None:
     """Keep ``agreement`` as ``group``'s most recent for signature ``key``, within :data:`KEPT`."""
     kept = _AGREEMENTS.setdefault(group, collections.OrderedDict())
     kept[key] = agreement

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from dcomm.averaging import _agreement
+from dcomm.averaging import _agreement, _native_key
 from dcomm.averaging._agreement import Agreement
 from dcomm.averaging._allocations import span_over
 from dcomm.averaging._buckets import _average_group, _Staging
@@ -163,12 +163,13 @@ class _Recipe(NamedTuple):
 
     A table holds the staged parameters' addresses, which the call key pins (their ``data_ptr``).
     ``agreement``: the joins agreed by the ranks that the recipe follows; the recipe holds only
-    while its call signature keeps that agreement.
+    while its call ``signature`` keeps that agreement.
     """
 
     devices: list[_DeviceRecipe]
     integers: list[int]
     agreement: Agreement
+    signature: _agreement.Signature
 
 
 _RECIPES: collections.OrderedDict[int, tuple[tuple[Any, ...], _Recipe]] = collections.OrderedDict()
@@ -180,24 +181,47 @@ _RECIPES_KEPT = 16
 _dtype_of = operator.attrgetter("dtype")
 
 
-def _call_key(
-    params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Paths
-) -> tuple[tuple[Any, ...] | None, tuple[Any, ...]]:
-    """What must not change for a recipe to hold, and the call's signature, alike on every rank.
+def _call_key(params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Paths) -> tuple[Any, ...] | None:
+    """What must not change for a recipe to hold: the group, the paths, and each parameter's
+    address, size and dtype (read in C++ once built: :mod:`dcomm.averaging._native_key`).
 
-    The key: the group, the parameters and their storage, the signature (the paths, each
-    parameter's size and dtype: :func:`dcomm.averaging._agreement.signature`, looked up in the
-    group's agreements). Flat tuples, cheap to build and hash (a recipe depends on each
-    parameter's address and byte count, not on its shape). The key is None when a parameter has
-    no storage address (sparse): such calls are prepared every time.
+    A recipe depends on each parameter's address and byte count, not on its shape or identity
+    (it holds indices, and its tables and graphs hold addresses). None when a parameter has no
+    storage address (sparse): such calls are prepared every time.
     """
-    sizes = tuple(map(torch.Tensor.numel, params))
-    signature = _agreement.signature(paths, sizes, tuple(map(_dtype_of, params)))
+    where = _native_key.where_function(params)
+    if where is not None:
+        if not _KEY_IN_CPP:
+            _read_keys_in_cpp()
+        found = where(params)
+        return None if found is None else (id(group), paths, found)
     try:
         pointers = tuple(map(torch.Tensor.data_ptr, params))
     except RuntimeError:
-        return None, signature
-    return (id(group), signature, tuple(map(id, params)), pointers), signature
+        return None
+    return (id(group), paths, pointers, tuple(map(torch.Tensor.numel, params)), tuple(map(_dtype_of, params)))
+
+
+_KEY_IN_CPP = False
+"""Whether keys are read in C++ (from the first call after the build finished)."""
+
+
+def _read_keys_in_cpp() -> None:
+    """Drop the recipes and graphs kept under keys read in Python: no C++ key will ever match them."""
+    global _KEY_IN_CPP
+    _KEY_IN_CPP = True
+    for digest in list(_RECIPES):
+        _forget_graphs(digest)
+    _RECIPES.clear()
+
+
+def _signature(params: list[torch.Tensor], paths: _Paths) -> _agreement.Signature:
+    """The call's signature (:class:`dcomm.averaging._agreement.Signature`), alike on every rank.
+
+    Made when a call has no recipe; a recipe keeps the one it was made under (its key pins the
+    sizes and dtypes the signature names).
+    """
+    return _agreement.signature(paths, tuple(map(torch.Tensor.numel, params)), tuple(map(_dtype_of, params)))
 
 
 def _recipe_for(key: tuple[Any, ...] | None) -> tuple[int | None, _Recipe | None]:
@@ -216,7 +240,10 @@ def _keep(digest: int, key: tuple[Any, ...], recipe: _Recipe) -> None:
     takes its graphs with it: they touch its tables and its parameters' memory.
     """
     replaced = _RECIPES.get(digest)
-    if replaced is not None and replaced[1] is not recipe:
+    if replaced is not None and replaced[1] is recipe:
+        _RECIPES.move_to_end(digest)  # the usual call: the kept recipe again
+        return
+    if replaced is not None:
         _forget_graphs(digest)
     _RECIPES[digest] = (key, recipe)
     _RECIPES.move_to_end(digest)
@@ -275,7 +302,11 @@ def _replayed(digest: int | None, recipe: _DeviceRecipe, group: dist.ProcessGrou
 
 
 def _prepare(
-    params: list[torch.Tensor], group: dist.ProcessGroup, paths: _Paths, agreement: Agreement | None
+    params: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    paths: _Paths,
+    signature: _agreement.Signature,
+    agreement: Agreement | None,
 ) -> tuple[_Recipe, dict[torch.device, list[list[torch.Tensor]]]]:
     """Check every parameter and decide each device's path (raises before any collective but the agreement's).
 
@@ -323,7 +354,7 @@ def _prepare(
         devices.append(
             _DeviceRecipe(device, groups, in_place, joined, small, tables, by_nccl, rejoined, owning_nothing)
         )
-    return _Recipe(devices, integers, Agreement(links) if agreement is None else agreement), dense
+    return _Recipe(devices, integers, Agreement(links) if agreement is None else agreement, signature), dense
 
 
 def _spans(merged: list[torch.Tensor]) -> list[torch.Tensor]:

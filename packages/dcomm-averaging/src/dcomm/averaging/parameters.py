@@ -59,6 +59,7 @@ from dcomm.averaging._recipes import (
     _prepare,
     _recipe_for,
     _replayed,
+    _signature,
 )
 from dcomm.core import resolve_group
 from dcomm.core.validation import positive_number
@@ -118,15 +119,16 @@ def _average_parameters(
         pack_max_bytes=min(paths.pack_max_bytes, int(cap_bytes)), stage_run_bytes=int(cap_bytes // 2)
     )
     params = list(params)
-    key, signature = _call_key(params, group, paths)
+    key = _call_key(params, group, paths)
     digest, recipe = _recipe_for(key)
+    signature = recipe.signature if recipe is not None else _signature(params, paths)
     # Looked up on every call, so every rank agrees at the same calls whatever its kept recipes.
     agreement = _agreement.lookup(group, signature)
     if recipe is not None and recipe.agreement is not agreement:
         recipe = None  # made under an agreement dropped since (or, if None, about to be made again)
     dense: dict[torch.device, list[list[torch.Tensor]]] = {}
     if recipe is None:
-        recipe, dense = _prepare(params, group, paths, agreement)
+        recipe, dense = _prepare(params, group, paths, signature, agreement)
         if agreement is None:  # the ranks have just agreed
             _agreement.keep(group, signature, recipe.agreement)
     if key is not None and digest is not None:
@@ -177,7 +179,11 @@ def average_parameters(
     On NCCL the ranks agree which parameters to join in one small collective the first time they
     pass parameters of these sizes and dtypes; a rank whose parameters get new storage later
     (``param.data = ...``, ``load_state_dict(..., assign=True)``), on its own or with the others,
-    keeps what was agreed, averaging parameters no longer back to back through a buffer.
+    keeps what was agreed, averaging parameters no longer back to back through a buffer. So does
+    a second list of the same sizes and dtypes averaged over the same group object (a flattened
+    copy of the model, a second model of the same shapes): it follows the first list's joins, and
+    copies those its own memory breaks; average it over a group of its own
+    (``dist.new_group(ranks)``) to have joins of its own.
     Everything is checked before the first collective, so a bad parameter raises with nothing
     averaged: an empty ``params`` (torch raises too; the peers would otherwise wait for this rank),
     a sparse, meta or complex tensor, a CPU tensor on an NCCL group.

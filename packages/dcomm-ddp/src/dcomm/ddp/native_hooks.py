@@ -32,12 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import sys
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -47,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 import dcomm.ddp._torch_private as private
-from dcomm.core import resolve_group
+from dcomm.core import native_build, resolve_group
 from dcomm.core.environment import switched_on, variable_set
 from dcomm.ddp.default_hooks import (
     _cached_plan,
@@ -105,48 +100,26 @@ def switched(on: bool) -> Iterator[None]:
         yield
 
 
-STALE_BUILD_S = 180.0
-"""A build lock whose directory has not changed for this long was left by a killed build."""
-QUIET_WARNING_S = 60.0
-"""Waiting on a lock whose directory has not changed for this long warns once (a build takes about 40 s)."""
+STALE_BUILD_S = native_build.STALE_BUILD_S
+"""A build lock whose directory has not changed for this long was left by a killed build (read at each build)."""
+
+_PREFIX = "dcomm_ddp_native"
+_WHAT = "the C++ DDP hooks"
 
 
 def build_name() -> str:
-    """The C++ module's name, which is also its build directory's: one per source, torch and Python.
-
-    It binds torch's C++ classes and Python's ABI, so it hashes the source, the torch and Python
-    versions and where torch is installed: two environments with the same versions would otherwise
-    rebuild it in turn in one directory (each build links its own torch).
-    """
-    where = Path(torch.__file__).resolve().parent
-    version = f"{torch.__version__} {sys.version_info[0]}.{sys.version_info[1]} {where}".encode()
-    return f"dcomm_ddp_native_{hashlib.sha256(_SOURCE.read_bytes() + version).hexdigest()[:12]}"
+    """The C++ module's name, which is also its build directory's (:func:`dcomm.core.native_build.build_name`)."""
+    return native_build.build_name(_PREFIX, _SOURCE)
 
 
 @functools.cache
 def _extension() -> Any | None:
     """The compiled C++ hook module, built on first use; None (with one warning) if it cannot be."""
-    from torch.utils import cpp_extension
-
-    name = build_name()
     try:
-        root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-        build_directory = Path(root) / name
-        build_directory.mkdir(parents=True, exist_ok=True)
-        if not (build_directory / f"{name}.so").exists():
-            logger.info("dcomm.ddp: building the C++ DDP hooks in %s (once per torch installation, about 40 s)", root)
-        clear_stale_lock(build_directory)
-        with _ninja_on_path():
-            return cpp_extension.load(
-                name=name,
-                sources=[str(_SOURCE)],
-                extra_cflags=["-O2"],
-                build_directory=str(build_directory),
-                verbose=False,
-            )
+        return native_build.load(_SOURCE, _PREFIX, _WHAT, stale_after_s=STALE_BUILD_S)
     except Exception as error:  # any build or load failure leaves the Python hooks, which are correct
         warnings.warn(
-            f"dcomm.ddp: the C++ DDP hooks could not be built ({type(error).__name__}: {error}); DDP runs "
+            f"dcomm.ddp: {_WHAT} could not be built ({type(error).__name__}: {error}); DDP runs "
             f"dcomm's Python hooks instead (same results, more host time per bucket). Install a C++ "
             f"compiler and ninja, or set {ENV_SWITCH}=0 to silence this",
             RuntimeWarning,
@@ -155,81 +128,9 @@ def _extension() -> Any | None:
         return None
 
 
-def clear_stale_lock(
-    build_directory: Path,
-    stale_after_s: float | None = None,
-    clock: Callable[[], float] = time.time,
-    sleep: Callable[[float], None] = time.sleep,
-) -> None:
-    """Wait while another process builds in ``build_directory``; remove the lock of a killed build.
-
-    torch's extension builder waits, for as long as it exists, for the ``lock`` file of whoever
-    builds in the directory; a build killed half-way (Ctrl-C during the first import) leaves it
-    behind, and every later run would hang. A lock whose directory has not changed for
-    ``stale_after_s`` (default :data:`STALE_BUILD_S`) is removed, with a warning, and the build
-    starts again; waiting on one quiet for longer than a build takes warns once before that.
-
-    Example::
-
-        >>> clear_stale_lock(Path("~/.cache/torch_extensions/dcomm_ddp_native_ab12").expanduser())  # doctest: +SKIP
-    """
-    stale_after_s = STALE_BUILD_S if stale_after_s is None else stale_after_s
-    lock = build_directory / "lock"
-    told = warned = False
-    while lock.exists():
-        quiet_s = clock() - _last_change(build_directory)
-        if quiet_s > stale_after_s:
-            with contextlib.suppress(FileNotFoundError):
-                lock.unlink()
-            warnings.warn(
-                f"dcomm.ddp: removed {lock}, left by a build of the C++ DDP hooks that stopped {quiet_s:.0f} s "
-                "ago (killed?); building again",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return
-        if not told:
-            logger.info("dcomm.ddp: waiting for another process building the C++ DDP hooks (%s)", lock)
-            told = True
-        if not warned and quiet_s > QUIET_WARNING_S:  # longer than a build: say why the run waits
-            warnings.warn(
-                f"dcomm.ddp: waiting for {lock}, unchanged for {quiet_s:.0f} s: a build of the C++ DDP hooks "
-                f"in another process, or one that was killed (removed after {stale_after_s:.0f} s without "
-                "progress)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            warned = True
-        sleep(0.5)
-
-
-def _last_change(directory: Path) -> float:
-    """The latest modification time of ``directory`` and the entries in it."""
-    latest = directory.stat().st_mtime
-    with os.scandir(directory) as entries:
-        for entry in entries:
-            with contextlib.suppress(FileNotFoundError):
-                latest = max(latest, entry.stat(follow_symlinks=False).st_mtime)
-    return latest
-
-
-@contextlib.contextmanager
-def _ninja_on_path() -> Iterator[None]:
-    """Put the ninja of the ``ninja`` package on PATH for the build, when none is there already.
-
-    torch's builder runs ``ninja`` from PATH; a virtual environment used without activating it
-    has the package's binary but not on PATH.
-    """
-    if shutil.which("ninja") is not None:
-        yield
-        return
-    try:
-        from ninja import BIN_DIR
-    except ImportError:
-        yield
-        return
-    with variable_set("PATH", BIN_DIR + os.pathsep + os.environ.get("PATH", "")):
-        yield
+def clear_stale_lock(build_directory: Path, stale_after_s: float | None = None, **kwargs: Any) -> None:
+    """:func:`dcomm.core.native_build.clear_stale_lock` for the C++ DDP hooks' build directory."""
+    native_build.clear_stale_lock(build_directory, stale_after_s, what=_WHAT, **kwargs)
 
 
 def _planner(group: dist.ProcessGroup, wire: torch.dtype | None) -> Callable[..., tuple[float, Any, Any]]:

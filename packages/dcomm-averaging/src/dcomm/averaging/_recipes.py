@@ -207,9 +207,15 @@ _KEY_IN_CPP = False
 
 
 def _read_keys_in_cpp() -> None:
-    """Drop the recipes and graphs kept under keys read in Python: no C++ key will ever match them."""
+    """Drop the recipes and graphs kept under keys read in Python: no C++ key will ever match them.
+
+    Once per process; the last call's graph may still be replaying, so the devices finish first.
+    """
     global _KEY_IN_CPP
     _KEY_IN_CPP = True
+    if any(len(graphs) for graphs, _ in _GRAPHS.values()):
+        for device in _GRAPHS:
+            torch.cuda.synchronize(device)
     for digest in list(_RECIPES):
         _forget_graphs(digest)
     _RECIPES.clear()

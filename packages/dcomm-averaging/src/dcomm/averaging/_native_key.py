@@ -1,9 +1,9 @@
 """The call key of :func:`dcomm.averaging.average_parameters` read in C++: built in the background on first use.
 
 A kept recipe holds while every parameter keeps its address, size and dtype, so every call reads
-those three of every parameter: in Python, three method calls per parameter, about 0.25 ms per
-call on a GPU host for a model of 600 tensors, most of a replayed call's host time. The C++
-``where`` (``csrc/call_key.cpp``) reads them in one pass, in a few microseconds. It is built by
+those three of every parameter: in Python, three method calls per parameter, 0.13-0.23 ms per
+call on a GPU host for a model of 581 tensors, the largest piece of a replayed call's host time.
+The C++ ``where`` (``csrc/call_key.cpp``) reads them in one pass, in about 13 us. It is built by
 torch's extension builder in a background thread once a call averages CUDA parameters (about
 10-40 s, once per torch installation; CPU-only runs never build it), and used once it is there;
 until then, where it cannot be built (a warning says why, once) or with ``DCOMM_NATIVE_KEY=0``,

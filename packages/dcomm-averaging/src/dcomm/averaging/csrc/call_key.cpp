@@ -2,8 +2,8 @@
 //
 // where(tensors) -> bytes | None: for every tensor its data address, number of elements and
 // dtype, as three int64 in a row; None when one has no storage address (a sparse tensor). In
-// Python the same reads cost three method calls per parameter (about 0.4 us each on a GPU host:
-// 0.25 ms per call on a model of 600 tensors); here they cost a few nanoseconds.
+// Python the same reads cost three method calls per parameter (0.13-0.23 ms per call on a GPU
+// host for a model of 581 tensors); here about 13 us.
 // Only Python's C API and torch's tensor unpacking are used, so the build is short.
 #include <Python.h>
 

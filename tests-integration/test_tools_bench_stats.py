@@ -18,7 +18,7 @@ from tools.bench.ab import (
 )
 from tools.bench.cases import PER_WORKLOAD_CASES, TRAINING_CASES
 from tools.bench.cli import parse_args, planned_runs, policy_of
-from tools.bench.profile import kernel_kind
+from tools.bench.profile import Kernel, kernel_kind, stream_summary
 from tools.bench.report import table_lines
 from tools.bench_chart import chart_points, write_chart
 from tools.bench_results import rows_of
@@ -217,3 +217,24 @@ def test_results_rows_table_and_chart_points_from_json(tmp_path: pathlib.Path) -
 )
 def test_kernel_kinds(kernel: str, kind: str) -> None:
     assert kernel_kind(kernel) == kind
+
+
+def test_stream_summary_tells_idle_from_busy_on_the_gemm_stream() -> None:
+    gemm, add = "sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n", "vectorized_elementwise_kernel"
+    nccl = "ncclDevKernel_AllGather_RING_LL"
+    kernels = [
+        Kernel(3, add, 0.0, 100.0),  # a busy copy stream with no GEMM is not the compute stream
+        Kernel(3, add, 100.0, 200.0),
+        Kernel(3, add, 200.0, 300.0),
+        Kernel(7, gemm, 10.0, 40.0),
+        Kernel(7, add, 30.0, 50.0),  # overlaps the GEMM: counted once
+        Kernel(7, gemm, 70.0, 90.0),  # 20 us idle before it
+        Kernel(9, nccl, 0.0, 60.0),
+    ]
+    assert stream_summary(kernels, steps=2) == {
+        "compute busy": 30.0,
+        "compute idle": 10.0,
+        "compute kernels": 1.5,
+        "nccl busy": 30.0,
+    }
+    assert stream_summary([], steps=1) == {}

@@ -1,7 +1,11 @@
-"""GPU time of a step by kernel kind (NCCL collectives, GEMMs, elementwise and copies).
+"""GPU time of a step by kernel kind, and the compute stream's busy and idle time.
 
-``python -m tools.bench --profile`` adds this to every variant's details after its rounds, so
-a ratio above 1 can be traced to the kind of work one side does more of.
+Kernel kinds: NCCL collectives, GEMMs (and attention), elementwise and copies.
+
+``python -m tools.bench --profile`` adds both to every variant's details after its rounds, so
+a ratio above 1 can be traced to the kind of work one side does more of, and told apart: the
+compute stream idle longer (communication left exposed) or busy longer (more work, or the same
+kernels slowed by collectives running beside them).
 
 Example::
 
@@ -9,15 +13,21 @@ Example::
     'nccl reduce-scatter'
     >>> gpu_time_by_kind(step, steps=3)  # doctest: +SKIP
     {'gemm/attention': 5120.0, 'nccl all-reduce': 2050.0, 'elementwise/copy': 310.0}
+    >>> kernels = [Kernel(7, "sm90_gemm", 0, 10), Kernel(7, "add", 15, 20), Kernel(9, "ncclDevKernel", 5, 30)]
+    >>> stream_summary(kernels, steps=1)
+    {'compute busy': 15.0, 'compute idle': 5.0, 'compute kernels': 2.0, 'nccl busy': 25.0}
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from tools.bench.timing import Step
 
-__all__ = ["gpu_time_by_kind", "kernel_kind"]
+__all__ = ["Kernel", "compute_stream_time", "gpu_time_by_kind", "kernel_kind", "stream_summary"]
 
 _NCCL_KINDS = (("reducescatter", "reduce-scatter"), ("allgather", "all-gather"), ("allreduce", "all-reduce"))
 
@@ -49,3 +59,69 @@ def gpu_time_by_kind(step: Step, steps: int = 3) -> dict[str, float]:
             kind = kernel_kind(event.key)
             kinds[kind] = round(kinds.get(kind, 0.0) + micros / steps, 1)
     return kinds
+
+
+class Kernel(NamedTuple):
+    """One kernel of a profiled step: its stream, name, and start and end in microseconds."""
+
+    stream: int
+    name: str
+    start: float
+    end: float
+
+
+def stream_summary(kernels: Sequence[Kernel], steps: int) -> dict[str, float]:
+    """Per step, in microseconds: the compute stream's busy time, its idle time between its first
+    and last kernel, its kernel count, and the time NCCL kernels ran (on any stream).
+
+    The compute stream is the one that runs the most GEMM/attention kernels (else the most kernels).
+    """
+    by_stream: dict[int, list[Kernel]] = {}
+    for kernel in kernels:
+        by_stream.setdefault(kernel.stream, []).append(kernel)
+    if not by_stream:
+        return {}
+
+    def gemms(stream: int) -> tuple[int, int]:
+        found = by_stream[stream]
+        return sum(kernel_kind(k.name) == "gemm/attention" for k in found), len(found)
+
+    compute = sorted(by_stream[max(by_stream, key=gemms)], key=lambda k: k.start)
+    busy = idle = 0.0
+    reached = compute[0].start
+    for kernel in compute:
+        idle += max(0.0, kernel.start - reached)
+        busy += max(0.0, kernel.end - max(kernel.start, reached))
+        reached = max(reached, kernel.end)
+    nccl = sum(k.end - k.start for k in kernels if kernel_kind(k.name).startswith("nccl"))
+    return {
+        "compute busy": round(busy / steps, 1),
+        "compute idle": round(idle / steps, 1),
+        "compute kernels": round(len(compute) / steps, 1),
+        "nccl busy": round(nccl / steps, 1),
+    }
+
+
+def compute_stream_time(step: Step, steps: int = 3) -> dict[str, float]:
+    """:func:`stream_summary` of ``steps`` profiled steps of ``step`` (CUDA activity only; call on every rank)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [
+        Kernel(int(getattr(event, "device_resource_id", 0) or 0), event.name, *_span(event))
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+        and event.time_range.elapsed_us() > 0
+        and ":" not in event.name.split("(")[0]  # user annotations ("nccl:all_reduce"), not kernels
+        and not event.name.startswith("DistributedDataParallel")
+    ]
+    return stream_summary(kernels, steps)
+
+
+def _span(event: object) -> tuple[float, float]:
+    span = event.time_range  # type: ignore[attr-defined]
+    return span.start, span.end

@@ -68,7 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--budget-s", type=float, default=480.0, help="seconds after start when the remaining cases are skipped"
     )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="collective timeout")
-    parser.add_argument("--profile", action="store_true", help="GPU time per step by kernel kind, per variant")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="GPU time per step by kernel kind, and the compute stream's busy and idle time, per variant",
+    )
     parser.add_argument(
         "--control",
         action="store_true",

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tools.bench.profile import compute_stream_time, gpu_time_by_kind
+from tools.bench.profile import profile_details
 from tools.bench.timing import Bench, Step, release_memory
 from tools.launch import short_error
 
@@ -362,8 +362,7 @@ def run_case(bench: Bench, case: Case, policy: Policy, workload: str = "", preci
     for name, variant in built.items():
         results[name].details = variant.details()
         if policy.profile and bench.is_cuda:
-            results[name].details["gpu us/step"] = gpu_time_by_kind(variant.step, case.steps_per_round)
-            results[name].details["stream us/step"] = compute_stream_time(variant.step, case.steps_per_round)
+            results[name].details.update(profile_details(variant.step, case.steps_per_round))
     built.clear()
     release_memory()
     pairs = [compare(pair, results, policy.draws) for pair in case.pairs]

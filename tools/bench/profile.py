@@ -11,7 +11,7 @@ Example::
 
     >>> kernel_kind("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL")
     'nccl reduce-scatter'
-    >>> gpu_time_by_kind(step, steps=3)  # doctest: +SKIP
+    >>> profile_details(step, steps=3)["gpu us/step"]  # doctest: +SKIP
     {'gemm/attention': 5120.0, 'nccl all-reduce': 2050.0, 'elementwise/copy': 310.0}
     >>> kernels = [Kernel(7, "sm90_gemm", 0, 10), Kernel(7, "add", 15, 20), Kernel(9, "ncclDevKernel", 5, 30)]
     >>> stream_summary(kernels, steps=1)
@@ -21,13 +21,13 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from tools.bench.timing import Step
 
-__all__ = ["Kernel", "compute_stream_time", "gpu_time_by_kind", "kernel_kind", "stream_summary"]
+__all__ = ["Kernel", "kernel_kind", "profile_details", "stream_summary"]
 
 _NCCL_KINDS = (("reducescatter", "reduce-scatter"), ("allgather", "all-gather"), ("allreduce", "all-reduce"))
 
@@ -43,8 +43,9 @@ def kernel_kind(name: str) -> str:
     return "elementwise/copy"
 
 
-def gpu_time_by_kind(step: Step, steps: int = 3) -> dict[str, float]:
-    """Microseconds of GPU time per step of ``step``, by kernel kind (call on every rank)."""
+def profile_details(step: Step, steps: int = 3) -> dict[str, dict[str, float]]:
+    """Per step, from one CUDA-activity profile of ``steps`` steps (call on every rank): GPU time by
+    kernel kind, and the compute stream's busy and idle time (:func:`stream_summary`), in microseconds."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -52,6 +53,10 @@ def gpu_time_by_kind(step: Step, steps: int = 3) -> dict[str, float]:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    return {"gpu us/step": _time_by_kind(prof, steps), "stream us/step": _stream_time(prof, steps)}
+
+
+def _time_by_kind(prof: Any, steps: int) -> dict[str, float]:
     kinds: dict[str, float] = {}
     for event in prof.key_averages():
         micros = getattr(event, "self_device_time_total", 0) or 0
@@ -102,17 +107,11 @@ def stream_summary(kernels: Sequence[Kernel], steps: int) -> dict[str, float]:
     }
 
 
-def compute_stream_time(step: Step, steps: int = 3) -> dict[str, float]:
-    """:func:`stream_summary` of ``steps`` profiled steps of ``step`` (CUDA activity only; call on every rank)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
+def _stream_time(prof: Any, steps: int) -> dict[str, float]:
     kernels = [
-        Kernel(int(getattr(event, "device_resource_id", 0) or 0), event.name, *_span(event))
+        Kernel(
+            int(getattr(event, "device_resource_id", 0) or 0), event.name, event.time_range.start, event.time_range.end
+        )
         for event in prof.events()
         if event.device_type == torch.autograd.DeviceType.CUDA
         and event.time_range.elapsed_us() > 0
@@ -120,8 +119,3 @@ def compute_stream_time(step: Step, steps: int = 3) -> dict[str, float]:
         and not event.name.startswith("DistributedDataParallel")
     ]
     return stream_summary(kernels, steps)
-
-
-def _span(event: object) -> tuple[float, float]:
-    span = event.time_range  # type: ignore[attr-defined]
-    return span.start, span.end

@@ -117,13 +117,13 @@ def test_a_failed_build_warns_once_and_leaves_python(monkeypatch: pytest.MonkeyP
 
 def test_signatures_are_hashed_once_and_compare_by_value() -> None:
     sizes, dtypes = (12, 5), (torch.float32, torch.bfloat16)
-    a = agreement.signature((), sizes, dtypes)
-    b = agreement.signature((), tuple(sizes), tuple(dtypes))
+    a = agreement.Signature((), sizes, dtypes)
+    b = agreement.Signature((), tuple(sizes), tuple(dtypes))
     assert a == b
     assert hash(a) == hash(b)
     assert a is not b
-    assert a != agreement.signature((), (12, 6), dtypes)
-    assert a != agreement.signature((), sizes, (torch.float32, torch.float16))
+    assert a != agreement.Signature((), (12, 6), dtypes)
+    assert a != agreement.Signature((), sizes, (torch.float32, torch.float16))
     assert a != ((), sizes, dtypes)
 
 

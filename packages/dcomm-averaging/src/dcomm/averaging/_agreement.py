@@ -2,7 +2,7 @@
 
 Joined tensors are one allreduce, so every rank must join the same ones, yet where memory lies
 differs between ranks. On NCCL the ranks agree in one small collective (:func:`agreed_links`) the
-first time a group sees a call's :func:`signature`: the paths and the parameters' sizes and
+first time a group sees a call's :class:`Signature`: the paths and the parameters' sizes and
 dtypes, which every rank passes alike. Every call looks its signature up in its group's
 agreements (:func:`lookup`), so the ranks agree at the same calls whatever each one's kept
 recipes (one rank's recipe may be remade alone: its parameters got new storage, or a new model
@@ -14,7 +14,7 @@ keeps the agreed chains and averages a broken one through a buffer of its own
 
 Example::
 
-    >>> key = signature((), (4, 4), (torch.float32, torch.float32))
+    >>> key = Signature((), (4, 4), (torch.float32, torch.float32))
     >>> lookup(dist.group.WORLD, key) is None  # before the first call with these sizes  # doctest: +SKIP
     True
 """
@@ -40,7 +40,6 @@ __all__ = [
     "links_for",
     "local_links",
     "lookup",
-    "signature",
 ]
 
 ALLOCATOR_BLOCK_BYTES = 512
@@ -87,11 +86,6 @@ class Signature:
         if self is other:
             return True
         return isinstance(other, Signature) and self._hash == other._hash and self.parts == other.parts
-
-
-def signature(paths: Hashable, sizes: tuple[int, ...], dtypes: tuple[Any, ...]) -> Signature:
-    """The :class:`Signature` of a call with these paths and parameters' sizes and dtypes."""
-    return Signature(paths, sizes, dtypes)
 
 
 def lookup(group: dist.ProcessGroup, key: Signature) -> Agreement | None:

@@ -227,7 +227,7 @@ def _signature(params: list[torch.Tensor], paths: _Paths) -> _agreement.Signatur
     Made when a call has no recipe; a recipe keeps the one it was made under (its key pins the
     sizes and dtypes the signature names).
     """
-    return _agreement.signature(paths, tuple(map(torch.Tensor.numel, params)), tuple(map(_dtype_of, params)))
+    return _agreement.Signature(paths, tuple(map(torch.Tensor.numel, params)), tuple(map(_dtype_of, params)))
 
 
 def _recipe_for(key: tuple[Any, ...] | None) -> tuple[int | None, _Recipe | None]:

@@ -18,7 +18,7 @@ from tools.bench.ab import (
 )
 from tools.bench.cases import PER_WORKLOAD_CASES, TRAINING_CASES
 from tools.bench.cli import parse_args, planned_runs, policy_of
-from tools.bench.profile import Kernel, kernel_kind, stream_summary
+from tools.bench.profile import Kernel, after_first_collective, kernel_kind, stream_summary, time_by_kind
 from tools.bench.report import table_lines
 from tools.bench_chart import chart_points, write_chart
 from tools.bench_results import rows_of
@@ -238,3 +238,27 @@ def test_stream_summary_tells_idle_from_busy_on_the_gemm_stream() -> None:
         "nccl busy": 30.0,
     }
     assert stream_summary([], steps=1) == {}
+
+
+def test_profile_counts_only_kernels_after_the_ranks_meet() -> None:
+    # The meeting allreduce waited 900 us for a rank whose profiler started late: neither it nor
+    # the kernels queued before it may count as a step's NCCL or idle time.
+    gemm, add = "sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n", "vectorized_elementwise_kernel"
+    meet, step_nccl = "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL"
+    kernels = [
+        Kernel(9, meet, 100.0, 1000.0),
+        Kernel(7, add, 50.0, 60.0),
+        Kernel(7, gemm, 1000.0, 1040.0),
+        Kernel(9, step_nccl, 1010.0, 1030.0),
+        Kernel(7, add, 1050.0, 1060.0),
+    ]
+    counted = after_first_collective(kernels)
+    assert counted == kernels[2:]
+    assert time_by_kind(counted, steps=2) == {
+        "gemm/attention": 20.0,
+        "nccl reduce-scatter": 10.0,
+        "elementwise/copy": 5.0,
+    }
+    assert stream_summary(counted, steps=1)["compute idle"] == 10.0
+    no_collective = [Kernel(7, gemm, 0.0, 5.0)]
+    assert after_first_collective(no_collective) == no_collective

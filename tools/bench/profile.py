@@ -27,7 +27,7 @@ import torch
 
 from tools.bench.timing import Step
 
-__all__ = ["Kernel", "kernel_kind", "profile_details", "stream_summary"]
+__all__ = ["Kernel", "after_first_collective", "kernel_kind", "profile_details", "stream_summary", "time_by_kind"]
 
 _NCCL_KINDS = (("reducescatter", "reduce-scatter"), ("allgather", "all-gather"), ("allreduce", "all-reduce"))
 
@@ -43,29 +43,6 @@ def kernel_kind(name: str) -> str:
     return "elementwise/copy"
 
 
-def profile_details(step: Step, steps: int = 3) -> dict[str, dict[str, float]]:
-    """Per step, from one CUDA-activity profile of ``steps`` steps (call on every rank): GPU time by
-    kernel kind, and the compute stream's busy and idle time (:func:`stream_summary`), in microseconds."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    return {"gpu us/step": _time_by_kind(prof, steps), "stream us/step": _stream_time(prof, steps)}
-
-
-def _time_by_kind(prof: Any, steps: int) -> dict[str, float]:
-    kinds: dict[str, float] = {}
-    for event in prof.key_averages():
-        micros = getattr(event, "self_device_time_total", 0) or 0
-        if micros > 0:
-            kind = kernel_kind(event.key)
-            kinds[kind] = round(kinds.get(kind, 0.0) + micros / steps, 1)
-    return kinds
-
-
 class Kernel(NamedTuple):
     """One kernel of a profiled step: its stream, name, and start and end in microseconds."""
 
@@ -73,6 +50,57 @@ class Kernel(NamedTuple):
     name: str
     start: float
     end: float
+
+
+def profile_details(step: Step, steps: int = 3) -> dict[str, dict[str, float]]:
+    """Per step, from one CUDA-activity profile of ``steps`` steps (call on every rank): GPU time by
+    kernel kind (:func:`time_by_kind`), and the compute stream's busy and idle time
+    (:func:`stream_summary`), in microseconds.
+
+    The ranks first meet in a one-element allreduce inside the profile, and only kernels that
+    start after it count: a rank whose profiler started early would otherwise count its first
+    collective's wait for the others (up to hundreds of milliseconds) as NCCL and idle time.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        aligned = _meet_other_ranks()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = _kernels(prof)
+    if aligned:
+        kernels = after_first_collective(kernels)
+    return {"gpu us/step": time_by_kind(kernels, steps), "stream us/step": stream_summary(kernels, steps)}
+
+
+def _meet_other_ranks() -> bool:
+    """One-element allreduce over the default group on this GPU, waited for; False when there is
+    no NCCL group to meet in."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "nccl":
+        return False
+    dist.all_reduce(torch.zeros(1, device="cuda"))
+    torch.cuda.synchronize()
+    return True
+
+
+def after_first_collective(kernels: Sequence[Kernel]) -> list[Kernel]:
+    """The kernels that start after the first NCCL kernel ends (the ranks' meeting); all of them
+    when there is none."""
+    first = min((k for k in kernels if kernel_kind(k.name).startswith("nccl")), key=lambda k: k.start, default=None)
+    return list(kernels) if first is None else [k for k in kernels if k.start >= first.end]
+
+
+def time_by_kind(kernels: Sequence[Kernel], steps: int) -> dict[str, float]:
+    """Per step, in microseconds: the kernels' time summed by :func:`kernel_kind`."""
+    kinds: dict[str, float] = {}
+    for kernel in kernels:
+        kind = kernel_kind(kernel.name)
+        kinds[kind] = kinds.get(kind, 0.0) + (kernel.end - kernel.start) / steps
+    return {kind: round(micros, 1) for kind, micros in kinds.items()}
 
 
 def stream_summary(kernels: Sequence[Kernel], steps: int) -> dict[str, float]:
@@ -107,8 +135,8 @@ def stream_summary(kernels: Sequence[Kernel], steps: int) -> dict[str, float]:
     }
 
 
-def _stream_time(prof: Any, steps: int) -> dict[str, float]:
-    kernels = [
+def _kernels(prof: Any) -> list[Kernel]:
+    return [
         Kernel(
             int(getattr(event, "device_resource_id", 0) or 0), event.name, event.time_range.start, event.time_range.end
         )
@@ -118,4 +146,3 @@ def _stream_time(prof: Any, steps: int) -> dict[str, float]:
         and ":" not in event.name.split("(")[0]  # user annotations ("nccl:all_reduce"), not kernels
         and not event.name.startswith("DistributedDataParallel")
     ]
-    return stream_summary(kernels, steps)

@@ -145,6 +145,38 @@ def test_diloco_matches_reference(world: int) -> None:
     run_ranks(_against_reference, world, timeout=240)
 
 
+def _frozen(rank: int, world: int) -> None:
+    outers = {
+        "SGD with weight decay": lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True, weight_decay=0.1),
+        "AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.1),  # weight_decay 0.01 by default
+    }
+    for name, make_outer in outers.items():
+        runs = []
+        for handed_frozen in [True, False]:
+            model = make_model(0, torch.float64)
+            frozen = model[0].weight
+            frozen.requires_grad_(False)
+            params = [p for p in model.parameters() if handed_frozen or p.requires_grad]
+            inner = torch.optim.AdamW(params, lr=0.02, weight_decay=0.01)
+            opt = DiLoCoOptimizer(inner, make_outer(params), 2, None, 2)
+            start = frozen.detach().clone()
+            for step in range(1, 8):
+                backward(model, rank, step)
+                opt.step()
+                opt.zero_grad()
+            assert torch.equal(frozen, start), f"{name}: the outer step moved a frozen parameter"
+            assert frozen.grad is None
+            runs.append([p.detach().clone() for p in model.parameters()])
+        # The trainable parameters as if the frozen one had not been handed to the optimizers.
+        for ours, without in zip(*runs, strict=True):
+            assert torch.equal(ours, without), name
+
+
+@pytest.mark.timeout(200)
+def test_diloco_leaves_frozen_parameters_alone() -> None:
+    run_ranks(_frozen, 2, timeout=150)
+
+
 def checkpoint(model: torch.nn.Module, opt: DiLoCoOptimizer) -> dict[str, Any]:
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)

@@ -129,6 +129,19 @@ def _average_parameters_checks(rank: int, world: int) -> None:
         assert torch.equal(a, b)
     assert_averaged(ours, exact_mean(everyone, fp32, seed=7))
 
+    # fp16 near the top of its range: torch's arithmetic (divide by the group size, then SUM),
+    # bit-identical and finite. Dividing only partly before the sum (by divide_factors: 2 at 3 and
+    # 4 ranks) made a mean above 65504 * pre / world inf.
+    for cap in [DEFAULT_BUCKET_CAP_MB, 4 / MIB]:
+        values = [torch.full((6,), 60000.0 - 1000.0 * rank), torch.full((3,), -50000.0 + 7.0 * rank)]
+        ours = [torch.nn.Parameter(v.half()) for v in values]
+        theirs = [torch.nn.Parameter(v.half()) for v in values]
+        average_parameters(ours, None, bucket_cap_mb=cap)
+        torch_utils.average_parameters(iter(theirs), dist.group.WORLD)
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.isfinite(a).all(), (world, a)
+            assert torch.equal(a, b), (world, a, b)
+
     # A subgroup: its members average among themselves, the others change nothing.
     members = [0, 1] if world > 2 else [0]
     group = dist.new_group(members)

@@ -20,10 +20,29 @@ import torch
 import torch.distributed as dist
 
 from dcomm.core import (
+    AveragePlan,
     foreach_copy_,
     plan_average,
     start_allreduce,
 )
+
+
+def parameter_plan(group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device) -> AveragePlan:
+    """How parameters of ``dtype`` are averaged over ``group``, on either path.
+
+    fp32/fp64 (and fp16) are divided by the group size before the ``SUM``, torch's arithmetic: the
+    sum of the divided values never exceeds the largest of them, so an fp16 sum cannot overflow
+    (dividing only partly first, by ``divide_factors``, let a mean above 65504 * pre / world, about
+    43,700 at 3 ranks, become inf). bf16 (float32's range) is divided after the ``SUM``; on NCCL,
+    ``ReduceOp.AVG`` averages fp32/fp64/bf16 inside the collective.
+
+    Example::
+
+        >>> parameter_plan(group, torch.float16, torch.device("cpu"))  # world 3  # doctest: +SKIP
+        AveragePlan(op=<RedOpType.SUM: 0>, pre=3.0, post=1.0)
+    """
+    arithmetic = "predivide" if dtype == torch.float16 else None
+    return plan_average(group, dtype, device, arithmetic=arithmetic, nccl_premul=False)
 
 
 class _Segment(NamedTuple):
@@ -87,7 +106,7 @@ def _average_group(flats: list[torch.Tensor], group: dist.ProcessGroup, staging:
     """Average same-device, same-dtype flat views over ``group`` through ``staging``."""
     dtype = flats[0].dtype
     buffers, capacity = staging.typed(dtype, flats[0].element_size())
-    op, pre, post = plan_average(group, dtype, flats[0].device, nccl_premul=False)
+    op, pre, post = parameter_plan(group, dtype, flats[0].device)
 
     # (work, staged bucket, its parameters' views, their lengths): each view is made once per call.
     in_flight: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor], list[int]]] = []

@@ -18,11 +18,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from dcomm.averaging._buckets import _Staging
+from dcomm.averaging._buckets import _Staging, parameter_plan
 from dcomm.core import (
     foreach_copy_,
     foreach_div_,
-    plan_average,
     start_allreduce,
     tensor_table,
 )
@@ -109,12 +108,12 @@ def _average_in_place(
     grouped launch slows the whole launch down (4x H200: 1.12x one flat allreduce of a GPT's 149
     tensors with the packed ones in the launch, 1.02x without). With ``staged`` (a table and the
     cap), the tensors at ``small`` are streamed through the staging instead (:func:`_average_staged`).
-    Then the current stream (never the host) waits for each launch, fp16 gets its post-division,
+    Then the current stream (never the host) waits for each launch, any post-division is applied,
     and the packed values go back to their tensors.
     """
-    # NCCL averages fp32/fp64/bf16 inside the collective (AVG: no division pass); fp16 keeps its
-    # pre/post division (no pre-multiplied sums in a coalesced allreduce).
-    op, pre, post = plan_average(group, tensors[0].dtype, tensors[0].device, nccl_premul=False)
+    # NCCL averages fp32/fp64/bf16 inside the collective (AVG: no division pass); fp16 is divided
+    # by the group size first (no pre-multiplied sums in a coalesced allreduce).
+    op, pre, post = parameter_plan(group, tensors[0].dtype, tensors[0].device)
     options = dist.AllreduceCoalescedOptions()
     options.reduceOp = op
     if hasattr(options, "asyncOp"):
@@ -152,7 +151,7 @@ def _average_staged(table: TensorTable, group: dist.ProcessGroup, like: torch.Te
     buffers alternate so that run ``i + 1`` is packed while run ``i`` is on the wire. ``like``:
     one of the tensors (device and dtype).
     """
-    op, pre, post = plan_average(group, like.dtype, like.device, nccl_premul=False)
+    op, pre, post = parameter_plan(group, like.dtype, like.device)
     itemsize = like.element_size()
     staging = _Staging(like.device, table.numel * itemsize, itemsize, cap_bytes)
     buffers, capacity = staging.typed(like.dtype, itemsize)

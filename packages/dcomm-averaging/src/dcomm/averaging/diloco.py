@@ -97,7 +97,9 @@ class DiLoCoOptimizer(WrappingOptimizer):
     every ``sync_every``-th inner step, for every parameter ``p``: ``delta = g - p`` is averaged
     over the group (an fp32 ``SUM`` and a division; fp64 for fp64 parameters), ``p`` is set to
     ``g`` and ``p.grad`` to the averaged delta, ``outer.step()`` runs, ``g`` is set to the new
-    ``p`` and the gradients are cleared. Replicas are identical after every sync.
+    ``p`` and the gradients are cleared. Replicas are identical after every sync. A parameter
+    with ``requires_grad=False`` at a sync gets no gradient there, so the outer step leaves it
+    alone (no weight decay), as torch's optimizers leave one without a gradient.
 
     * ``fragments=F``: the parameters, in order, form ``F`` contiguous fragments of whole
       parameters and about equal bytes; fragment ``i`` syncs after inner step ``t`` when
@@ -333,7 +335,10 @@ class DiLoCoOptimizer(WrappingOptimizer):
             foreach_copy_(params, global_copies, non_blocking=True)  # offloaded g is pinned: no host wait
             grads = views_like(average, params)
             for param, grad in zip(params, grads, strict=True):
-                param.grad = grad if grad.dtype == param.dtype else grad.to(param.dtype)
+                # A frozen parameter gets no gradient, so the outer step leaves it as it is (its
+                # weight decay included), as any torch optimizer leaves a parameter without one.
+                if param.requires_grad:
+                    param.grad = grad if grad.dtype == param.dtype else grad.to(param.dtype)
             self._outer_state_to_device(indices)
             self.outer.step()
             self._outer_state_offload(indices)

@@ -166,8 +166,8 @@ def average_parameters(
     device (a parameter larger than a bucket is split across buckets); so do GPU parameters that
     alias one another. A dense non-contiguous layout (channels-last) is averaged through its
     memory-order flat view, which is contiguous, on either path. The reduce op and divisions come
-    from :func:`dcomm.core.plan_average`: fp32/fp64 are divided by the group size before the
-    ``SUM`` (as torch does), fp16 partly before and partly after it, bf16 after it; on NCCL,
+    from :func:`dcomm.core.plan_average`: fp32/fp64/fp16 are divided by the group size before the
+    ``SUM`` (as torch does; an fp16 sum cannot overflow), bf16 after it; on NCCL,
     ``ReduceOp.AVG`` averages fp32/fp64/bf16 inside the collective. Integer and bool tensors
     (BatchNorm's ``num_batches_tracked``) get their mean truncated toward zero, as torch gives
     them (torch computes it in floating point; here the sum is exact). No device synchronize: on

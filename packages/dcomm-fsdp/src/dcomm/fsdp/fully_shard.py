@@ -252,8 +252,10 @@ def use_low_precision_reduction(module: nn.Module, dtype: torch.dtype = torch.bf
 
     As with torch's ``reduce_dtype``: the sharded gradients keep the parameter dtype, gradients
     accumulated without reduction (``set_requires_gradient_sync(False)``) are kept in ``dtype``,
-    and an fp16 gradient element beyond fp16's range (65504) overflows in the copy-in (the
-    pre-divide still keeps the sum of the ranks in range). Returns the reduce-scatter.
+    and an fp16 gradient element beyond fp16's range (65504) overflows in the copy-in. The sum of
+    the ranks is divided before by ``divide_factors(world)[0]`` (torch's FSDP factors), so, as with
+    torch, it overflows where the mean exceeds 65504 * pre / world (32752 at 4 ranks). Returns the
+    reduce-scatter.
 
     Raises ``ValueError`` for a dtype other than fp16/bf16, a module without ``fully_shard``, or
     HSDP (a 2-D mesh with replication); ``RuntimeError`` on a torch without the FSDP2 methods.

@@ -81,6 +81,16 @@ def _in_place_checks(rank: int, world: int) -> None:
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a, b)
 
+    # fp16 near the top of its range on this path too: divided by the group size before the SUM,
+    # finite and bit-identical to torch (a partial pre-division overflowed at 4 ranks).
+    values = [torch.full((6,), 60000.0 - 1000.0 * rank), torch.full((3,), -50000.0 + 7.0 * rank)]
+    ours, theirs = [torch.nn.Parameter(v.half()) for v in values], [torch.nn.Parameter(v.half()) for v in values]
+    forced(ours, None)
+    torch_utils.average_parameters(iter(theirs), dist.group.WORLD)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.isfinite(a).all(), (world, a)
+        assert torch.equal(a, b), (world, a, b)
+
     # A flattened model: parameters carved back to back out of one buffer are one allreduce of
     # one view over all of them; a gap splits them into two.
     for gap, runs in [(0, 1), (3, 2)]:

@@ -103,6 +103,15 @@ def _parity(rank: int, world: int) -> None:
     # A float64 bucket compressed to bf16.
     double = train(bf16_compress_hook, None, dtype=torch.float64)
     assert_trained_close(double, train(torch_bf16_hook, None, dtype=torch.float64), BF16_RTOL, "bf16 on float64")
+    # A bucket of the other low precision: cast, then divide in the sent dtype, as torch does, so
+    # bit-identical to torch's hook (dividing in one kernel rounded a bf16 bucket's quotient to
+    # bf16's 8 bits before it became fp16).
+    for dtype, hook, torch_hook in [
+        (torch.bfloat16, fp16_compress_hook, torch_hooks.fp16_compress_hook),
+        (torch.float16, bf16_compress_hook, torch_bf16_hook),
+    ]:
+        cross = train(hook, None, dtype=dtype)
+        assert_trained_close(cross, train(torch_hook, None, dtype=dtype), 0, f"{hook.__name__} on a {dtype} model")
 
     if world % 2 == 0 and world > 2:
         # State = a subgroup: average within pairs [0, 1], [2, 3], ...

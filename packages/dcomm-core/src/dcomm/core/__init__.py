@@ -32,6 +32,7 @@ from dcomm.core.low_precision import (
     LOW_PRECISION_DTYPES,
     cast_for_communication,
     copy_back,
+    divide_into,
     keep_until_stream_done,
 )
 from dcomm.core.quantization import (
@@ -57,6 +58,7 @@ __all__ = [
     "allreduce_future",
     "average_sync",
     "cast_for_communication",
+    "divide_into",
     "copy_back",
     "dequantize",
     "divide_factors",

@@ -1,9 +1,11 @@
 """Cast gradients to fp16/bf16 for communication and back, safely while a collective is in flight.
 
-The cast and the division by the pre-divide factor are one kernel (``torch.div(..., out=...)``);
-so are the cast back and the post-division. On CUDA a low-precision buffer that a collective may
-still read is tied to the current stream, so the caching allocator cannot hand its memory to
-another tensor before that stream's work is done. On CPU this costs nothing.
+The cast and the division by the pre-divide factor are one kernel (``torch.div(..., out=...)``)
+from fp32/fp64, whose quotient is then rounded once; from fp16/bf16 they are torch's two steps
+(:func:`divide_into`). The cast back and the post-division are one kernel. On CUDA a
+low-precision buffer that a collective may still read is tied to the current stream, so the
+caching allocator cannot hand its memory to another tensor before that stream's work is done. On
+CPU this costs nothing.
 
 Example::
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["LOW_PRECISION_DTYPES", "cast_for_communication", "copy_back", "keep_until_stream_done"]
+__all__ = ["LOW_PRECISION_DTYPES", "cast_for_communication", "copy_back", "divide_into", "keep_until_stream_done"]
 
 LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -31,10 +33,30 @@ def cast_for_communication(tensor: torch.Tensor, dtype: torch.dtype, divide_by: 
     """
     if dtype not in LOW_PRECISION_DTYPES:
         raise ValueError(f"dtype: expected torch.float16 or torch.bfloat16, got {dtype!r}; use the fp16 or bf16 hook")
-    out = torch.empty_like(tensor, dtype=dtype)
+    return divide_into(torch.empty_like(tensor, dtype=dtype), tensor, divide_by)
+
+
+_WIDE_DTYPES = (torch.float32, torch.float64)
+
+
+def divide_into(out: torch.Tensor, tensor: torch.Tensor, divide_by: float) -> torch.Tensor:
+    """``out = tensor / divide_by`` in ``out``'s dtype; returns ``out``.
+
+    From fp32/fp64 one kernel: the quotient is computed in the input's dtype and rounded once
+    into ``out``. From fp16/bf16 torch's order, a cast and then the division in ``out``'s dtype:
+    one kernel would compute the quotient in the input's dtype, so a bf16 gradient sent in fp16
+    would be rounded to bf16's 8 bits before it reached fp16's 11.
+
+    Example::
+
+        >>> divide_into(torch.empty(1, dtype=torch.float16), torch.tensor([1.0], dtype=torch.bfloat16), 3.0)
+        tensor([0.3333], dtype=torch.float16)
+    """
     if divide_by == 1.0:
         return out.copy_(tensor)
-    return torch.div(tensor, divide_by, out=out)
+    if tensor.dtype in _WIDE_DTYPES:
+        return torch.div(tensor, divide_by, out=out)
+    return out.copy_(tensor).div_(divide_by)
 
 
 def copy_back(dst: torch.Tensor, src: torch.Tensor, divide_by: float = 1.0) -> torch.Tensor:

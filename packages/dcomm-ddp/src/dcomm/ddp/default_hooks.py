@@ -34,7 +34,15 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from dcomm.core import AveragePlan, allreduce_future, copy_back, plan_average, resolve_group, start_allreduce
+from dcomm.core import (
+    AveragePlan,
+    allreduce_future,
+    copy_back,
+    divide_into,
+    plan_average,
+    resolve_group,
+    start_allreduce,
+)
 from dcomm.ddp._backward_works import defer_to_last_bucket
 
 __all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
@@ -156,11 +164,7 @@ def _compressed_average(
         # Already low precision (a half-precision model): average in place, nothing to cast.
         return _average(group, buffer, bucket if by_reducer else None)
     plan = _plan(group, buffer, dtype)
-    low = _low_precision_copy(buffer, dtype)
-    if plan.pre == 1.0:
-        low.copy_(buffer)
-    else:
-        torch.div(buffer, plan.pre, out=low)  # cast and divide: one kernel
+    low = divide_into(_low_precision_copy(buffer, dtype), buffer, plan.pre)  # from fp32: one kernel
     work = start_allreduce(low, group)  # plan.op is SUM: torch's arithmetic
     if by_reducer:
         # DDP copies the result into the gradients in their own dtype: that copy is the cast back.

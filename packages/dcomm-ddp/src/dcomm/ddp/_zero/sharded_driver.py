@@ -42,7 +42,14 @@ import torch
 import torch.distributed as dist
 
 import dcomm.ddp._torch_private as private
-from dcomm.core import completed_future, foreach_copy_, foreach_div_, start_reduce_scatter, warn_once
+from dcomm.core import (
+    completed_future,
+    divide_into,
+    foreach_copy_,
+    foreach_div_,
+    start_reduce_scatter,
+    warn_once,
+)
 from dcomm.ddp._zero import checkpoint
 from dcomm.ddp._zero.driver import Driver, Setup, all_gather, all_gathers, optimizer_class
 from dcomm.ddp._zero.layout import Shard, pack_shards
@@ -138,9 +145,9 @@ class ShardedDriver(Driver):
         """``shard.send[run] = bucket[run] / world`` for each run of ``piece`` (the padding stays 0)."""
         send = piece.shard.send
         if len(piece.runs) == 1:
-            # Copy, cast to the communication dtype and divide: one kernel.
+            # Copy, cast to the communication dtype and divide (one kernel from fp32).
             src, dst, numel = piece.runs[0]
-            torch.div(buffer[src : src + numel], self.world, out=send[dst : dst + numel])
+            divide_into(send[dst : dst + numel], buffer[src : src + numel], self.world)
             return
         address = buffer.data_ptr()
         if piece.views is None or piece.views[0] != address:
@@ -154,7 +161,7 @@ class ShardedDriver(Driver):
             foreach_div_(targets, self.world)
         else:
             for source, target in zip(sources, targets, strict=True):
-                torch.div(source, self.world, out=target)  # divide before the cast, as the hooks do
+                divide_into(target, source, self.world)  # as the hooks do
 
     def _scatter(self, plan: _Plan, buffer: torch.Tensor) -> tuple[list[Shard], list[dist.Work]]:
         """Put the bucket's pieces into their shards; reduce-scatter each shard now complete."""

@@ -41,6 +41,14 @@
 
 namespace {
 
+// Whether a division into another dtype can be one kernel: from fp32/fp64 the quotient is computed
+// in the input's dtype and rounded once. From fp16/bf16 it would be rounded to the input's
+// precision first (a bf16 gradient sent in fp16 kept bf16's 8 bits), so there the division follows
+// the cast, in the sent dtype, as torch's hooks and dcomm.core.divide_into do.
+bool isWide(const at::Tensor& tensor) {
+  return tensor.scalar_type() == at::kFloat || tensor.scalar_type() == at::kDouble;
+}
+
 struct Plan {
   double divisor;  // applied before the sum; 1 means none
   at::Tensor divisor_as_tensor;  // the same number, as Python passes it to an out= division
@@ -181,8 +189,10 @@ class AverageHook final : public SwitchedHook {
       sent = lowPrecisionCopy(bucket.getIndex(), buffer, *plan.wire);
       if (plan.divisor == 1.0) {
         sent.copy_(buffer);
-      } else {
+      } else if (isWide(buffer)) {
         at::div_out(sent, buffer, plan.divisor_as_tensor);  // cast and divide: one kernel
+      } else {
+        sent.copy_(buffer).div_(plan.divisor_as_tensor);  // torch's order (see isWide)
       }
     } else if (plan.divisor != 1.0) {
       sent.div_(plan.divisor);
@@ -309,7 +319,11 @@ class ScatterHook final : public SwitchedHook {
     if (piece.runs.size() == 1 || buffer.scalar_type() != send.scalar_type()) {
       for (const auto& [src, dst, numel] : piece.runs) {
         at::Tensor target = send.narrow(0, dst, numel);
-        at::div_out(target, buffer.narrow(0, src, numel), world_);
+        if (isWide(buffer)) {
+          at::div_out(target, buffer.narrow(0, src, numel), world_);
+        } else {
+          target.copy_(buffer.narrow(0, src, numel)).div_(world_);
+        }
       }
       return;
     }

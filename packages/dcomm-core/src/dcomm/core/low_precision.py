@@ -1,7 +1,7 @@
 """Cast gradients to fp16/bf16 for communication and back, safely while a collective is in flight.
 
 The cast and the division by the pre-divide factor are one kernel (``torch.div(..., out=...)``)
-from fp32/fp64, whose quotient is then rounded once; from fp16/bf16 they are torch's two steps
+from fp32/fp64, the quotient computed in that precision; from fp16/bf16 they are torch's two steps
 (:func:`divide_into`). The cast back and the post-division are one kernel. On CUDA a
 low-precision buffer that a collective may still read is tied to the current stream, so the
 caching allocator cannot hand its memory to another tensor before that stream's work is done. On
@@ -42,8 +42,8 @@ _WIDE_DTYPES = (torch.float32, torch.float64)
 def divide_into(out: torch.Tensor, tensor: torch.Tensor, divide_by: float) -> torch.Tensor:
     """``out = tensor / divide_by`` in ``out``'s dtype; returns ``out``.
 
-    From fp32/fp64 one kernel: the quotient is computed in the input's dtype and rounded once
-    into ``out``. From fp16/bf16 torch's order, a cast and then the division in ``out``'s dtype:
+    From fp32/fp64 one kernel: the quotient is computed in the input's dtype, then cast into
+    ``out``. From fp16/bf16 torch's order, a cast and then the division in ``out``'s dtype:
     one kernel would compute the quotient in the input's dtype, so a bf16 gradient sent in fp16
     would be rounded to bf16's 8 bits before it reached fp16's 11.
 

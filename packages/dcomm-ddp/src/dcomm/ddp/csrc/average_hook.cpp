@@ -42,7 +42,7 @@
 namespace {
 
 // Whether a division into another dtype can be one kernel: from fp32/fp64 the quotient is computed
-// in the input's dtype and rounded once. From fp16/bf16 it would be rounded to the input's
+// in the input's dtype, then cast. From fp16/bf16 it would be rounded to the input's
 // precision first (a bf16 gradient sent in fp16 kept bf16's 8 bits), so there the division follows
 // the cast, in the sent dtype, as torch's hooks and dcomm.core.divide_into do.
 bool isWide(const at::Tensor& tensor) {

@@ -264,6 +264,8 @@ def _zero_overlap_in_cpp(rank: int, world: int) -> None:
         (hook_with_zero_step, allreduce_hook, sharded, {}),
         (hook_with_zero_step_interleaved, bf16_compress_hook, sharded, {}),  # shards sent in bf16
         (hook_with_zero_step, fp16_compress_hook, {**sharded, "gather_during_forward": True}, {}),
+        # A bf16 model's shards sent in fp16: cast first, then divided in fp16 (isWide), as in Python.
+        (hook_with_zero_step, fp16_compress_hook, sharded, {"dtype": torch.bfloat16}),
         (hook_with_zero_step, allreduce_hook, {**sharded, "shard_buckets": True}, {"frozen": True}),  # stays
         # Gradients accumulated over 2 backward passes into DDP's bucket views: .grad keeps the local sum.
         (hook_with_zero_step, allreduce_hook, sharded, {"gradient_as_bucket_view": True, "accumulate": 2}),
@@ -272,8 +274,9 @@ def _zero_overlap_in_cpp(rank: int, world: int) -> None:
         what = f"{builder.__name__}({inner.__module__}.{inner.__name__}, {options}, {ddp_options})"
         results, launches, switches = {}, {}, {}
         for enabled in (True, False):
-            net = seeded_mlp(8, 16, 16, 4, activation=nn.ReLU)
-            ddp_kwargs = {k: v for k, v in ddp_options.items() if k not in ("frozen", "accumulate")}
+            dtype = ddp_options.get("dtype", torch.float32)
+            net = seeded_mlp(8, 16, 16, 4, activation=nn.ReLU, dtype=dtype)
+            ddp_kwargs = {k: v for k, v in ddp_options.items() if k not in ("frozen", "accumulate", "dtype")}
             ddp = DDP(net, bucket_cap_mb=0.001, **ddp_kwargs)
             # "frozen": the last bias is trained outside ZeRO, so its bucket is also averaged by the
             # wrapped hook, which needs Python: the C++ hook never takes over.
@@ -289,7 +292,7 @@ def _zero_overlap_in_cpp(rank: int, world: int) -> None:
             for step in range(6):
                 if step % ddp_options.get("accumulate", 1) == 0:
                     zero.zero_grad(set_to_none=True)
-                ddp(seeded_batch(rank, step, (6, 8))).square().sum().backward()
+                ddp(seeded_batch(rank, step, (6, 8), dtype=dtype)).float().square().sum().backward()
                 per_step.append(len(counted))
                 counted.clear()
             wait_for_parameters(hook)  # a no-op without gather_during_forward

@@ -27,6 +27,8 @@ EXPECTED_ROWS = {
         "ddp/allreduce C++ vs python",
         "ddp/fp16 C++ vs python",
         "ddp/bf16 C++ vs python",
+        "ddp/fp16 grad views",
+        "ddp/fp16 grad views cast aside",
     },
     "compression": {
         "compression/int8",

@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 import pathlib
 import statistics
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tools.bench.ab import (
     Pair,
@@ -18,7 +20,7 @@ from tools.bench.ab import (
 )
 from tools.bench.cases import PER_WORKLOAD_CASES, TRAINING_CASES
 from tools.bench.cli import parse_args, planned_runs, policy_of
-from tools.bench.profile import Kernel, after_first_collective, kernel_kind, stream_summary, time_by_kind
+from tools.bench.profile import Kernel, _kernels, after_first_collective, kernel_kind, stream_summary, time_by_kind
 from tools.bench.report import table_lines
 from tools.bench_chart import chart_points, write_chart
 from tools.bench_results import rows_of
@@ -262,3 +264,30 @@ def test_profile_counts_only_kernels_after_the_ranks_meet() -> None:
     assert stream_summary(counted, steps=1)["compute idle"] == 10.0
     no_collective = [Kernel(7, gemm, 0.0, 5.0)]
     assert after_first_collective(no_collective) == no_collective
+
+
+def _event(name: str, annotation: bool | None, start: int = 0, end: int = 5, stream: int = 7) -> SimpleNamespace:
+    span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+    event = SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA, time_range=span)
+    event.device_resource_id = stream
+    if annotation is not None:
+        event.is_user_annotation = annotation
+    return event
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_profile_keeps_aten_kernels_and_drops_annotations(marked: bool) -> None:
+    # ATen's kernel names hold C++ namespaces ("at::native::"); the ranges of record_function on the
+    # GPU timeline ("nccl:all_reduce", "DistributedDataParallel.forward") are not kernels. Whether
+    # torch marks the annotations (is_user_annotation) or not, only the kernels are kept.
+    kernels = [
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float> >(int)",
+        "void cutlass::Kernel2<cutlass_80_tensorop_s1688gemm_256x128_16x3_nt_align4>(Params)",
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+        "Memcpy DtoD (Device -> Device)",
+    ]
+    annotations = ["nccl:all_reduce", "DistributedDataParallel.forward", "Optimizer.step#Adam.step"]
+    events = [_event(name, False if marked else None) for name in kernels]
+    events += [_event(name, True if marked else None) for name in annotations]
+    kept = _kernels(SimpleNamespace(events=lambda: events))
+    assert [k.name for k in kept] == kernels

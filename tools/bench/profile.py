@@ -135,6 +135,19 @@ def stream_summary(kernels: Sequence[Kernel], steps: int) -> dict[str, float]:
     }
 
 
+def _is_annotation(event: Any) -> bool:
+    """A ``record_function`` range drawn on the GPU timeline ("nccl:all_reduce", "Optimizer.step#Adam.step").
+
+    torch marks them; where it does not, by name: one colon ("nccl:all_reduce"), unlike the
+    namespaces of kernel names ("void at::native::...").
+    """
+    marked = getattr(event, "is_user_annotation", None)
+    if marked is not None:
+        return bool(marked)
+    head = event.name.split("(")[0]
+    return (":" in head and "::" not in head) or event.name.startswith(("DistributedDataParallel", "Optimizer."))
+
+
 def _kernels(prof: Any) -> list[Kernel]:
     return [
         Kernel(
@@ -143,6 +156,5 @@ def _kernels(prof: Any) -> list[Kernel]:
         for event in prof.events()
         if event.device_type == torch.autograd.DeviceType.CUDA
         and event.time_range.elapsed_us() > 0
-        and ":" not in event.name.split("(")[0]  # user annotations ("nccl:all_reduce"), not kernels
-        and not event.name.startswith("DistributedDataParallel")
+        and not _is_annotation(event)
     ]

@@ -6,6 +6,7 @@ Registering ``allreduce_hook``, ``fp16_compress_hook`` or ``bf16_compress_hook``
 and the C++ path must not enter the Python hook for a dense real bucket.
 """
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -317,3 +318,61 @@ def _zero_overlap_in_cpp(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_zero_overlap_fused_step_runs_from_cpp(world: int) -> None:
     run_ranks(_zero_overlap_in_cpp, world, timeout=240)
+
+
+def _kernel_streams(prof: object) -> tuple[set[int], set[int], int]:
+    """Streams of the cast kernels, of NCCL's kernels, and the stream most other kernels ran on."""
+    kernels = [
+        (int(getattr(e, "device_resource_id", 0) or 0), e.name)
+        for e in prof.events()  # type: ignore[attr-defined]
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
+    nccl = {stream for stream, name in kernels if name.startswith("nccl")}
+    # The casts are converting copies (elementwise kernels); same-dtype copies run as Memcpy.
+    casts = {stream for stream, name in kernels if "copy" in name.lower() and not name.startswith("Memcpy")}
+    others = [stream for stream, name in kernels if not name.startswith("nccl") and "copy" not in name.lower()]
+    return casts, nccl, max(set(others), key=others.count)
+
+
+def _cast_aside_on_cuda(rank: int, world: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from dcomm.core.environment import variable_set
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+
+    def train(hook: Callable, dtype: torch.dtype, views: bool, aside: bool = True) -> tuple:
+        net = seeded_mlp(16, 64, 64, 8, dtype=dtype, device=device)
+        ddp = DDP(net, device_ids=[device], bucket_cap_mb=0.01, gradient_as_bucket_view=views)
+        with variable_set(native_hooks.CAST_ASIDE_SWITCH, "1" if aside else "0"):
+            ddp.register_comm_hook(None, hook)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        for step in range(5):
+            with profile(activities=[ProfilerActivity.CUDA]) if step == 4 else contextlib.nullcontext() as prof:
+                opt.zero_grad(set_to_none=step % 2 == 0)
+                ddp(seeded_batch(rank, step, (8, 16), dtype=dtype).to(device)).float().pow(2).sum().backward()
+                opt.step()
+                torch.cuda.synchronize()
+        return [p.detach().cpu() for p in net.parameters()], _kernel_streams(prof)
+
+    cases = [
+        (fp16_compress_hook, torch_hooks.fp16_compress_hook, torch.float32),
+        (bf16_compress_hook, torch_hooks.bf16_compress_hook, torch.float32),
+        (fp16_compress_hook, torch_hooks.fp16_compress_hook, torch.bfloat16),
+    ]
+    for ours, theirs, dtype in cases:
+        for views in (True, False):
+            what = f"{ours.__name__}, {dtype} model, gradient_as_bucket_view={views}"
+            params, (casts, nccl, compute) = train(ours, dtype, views)
+            assert_close(params, train(theirs, dtype, views)[0], 0.0, what)
+            assert_close(params, train(ours, dtype, views, aside=False)[0], 0.0, what)
+            off_stream = casts - nccl - {compute}
+            # With .grad viewing the buckets the casts run on a side stream; without, on backward's.
+            assert bool(off_stream) == views, (what, casts, nccl, compute)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (NCCL)")
+def test_compress_hooks_cast_on_a_side_stream_where_grads_view_the_buckets() -> None:
+    run_ranks(_cast_aside_on_cuda, min(torch.cuda.device_count(), 2), backend="nccl", timeout=240)

@@ -49,15 +49,21 @@ def python_hooks() -> contextlib.AbstractContextManager[None]:
     return switched(False)
 
 
-def build_ddp(ctx: Context, hook: tuple[str, str] | None, python: bool = False) -> Variant:
+def build_ddp(
+    ctx: Context, hook: tuple[str, str] | None, python: bool = False, views: bool = False, aside: bool = True
+) -> Variant:
     """A DDP training step (SGD) with ``hook = (impl, row name)``, or DDP's built-in allreduce.
 
-    ``python``: register dcomm's hook as a Python hook rather than C++ on the reducer.
+    ``python``: register dcomm's hook as a Python hook rather than C++ on the reducer. ``views``:
+    DDP with ``gradient_as_bucket_view=True``; ``aside=False``: dcomm's C++ compress hooks keep
+    their casts on the backward stream there (``DCOMM_CAST_ASIDE=0``).
     """
-    ddp = ctx.ddp(ctx.model())
+    from dcomm.core.environment import variable_set
+
+    ddp = ctx.ddp(ctx.model(), gradient_as_bucket_view=views)
     if hook is not None:
         impl, name = hook
-        with python_hooks() if python else contextlib.nullcontext():
+        with python_hooks() if python else contextlib.nullcontext(), variable_set("DCOMM_CAST_ASIDE", str(int(aside))):
             ddp.register_comm_hook(None, resolve(impl, DDP_HOOKS[name]))
     return sgd_variant(ctx, ddp)
 
@@ -100,6 +106,13 @@ def ddp_case(ctx: Context) -> Case:
     for name in DDP_HOOKS:
         add_versions(case, f"ddp/{name}", name, lambda impl, name=name: build_ddp(ctx, (impl, name)), "builtin")
     case.pairs.append(Pair("ddp/allreduce vs python floor", "dcomm allreduce", "python floor", "dcomm/reference"))
+    # gradient_as_bucket_view=True, where dcomm's compress hooks cast on a side stream (fp16; bf16 alike).
+    case.variants["builtin views"] = lambda: build_ddp(ctx, None, views=True)
+    views = lambda impl: build_ddp(ctx, (impl, "fp16"), views=True)  # noqa: E731
+    add_versions(case, "ddp/fp16 grad views", "fp16 views", views, "builtin views")
+    case.variants["dcomm fp16 views same stream"] = lambda: build_ddp(ctx, ("dcomm", "fp16"), views=True, aside=False)
+    pair = Pair("ddp/fp16 grad views cast aside", "dcomm fp16 views", "dcomm fp16 views same stream", "dcomm/reference")
+    case.pairs.append(pair)
     for name in DDP_HOOKS:
         python = f"dcomm {name} python"
         case.variants[python] = lambda name=name: build_ddp(ctx, ("dcomm", name), python=True)

@@ -14,6 +14,12 @@ ZeRO overlap hooks (:mod:`dcomm.ddp.zero_overlap`) get a C++ hook too, switched 
 driver once DDP has settled its buckets: it allreduces every bucket (or, with
 ``reduce_scatter=True``, reduce-scatters every shard) and calls the driver once, at the last bucket.
 
+With ``gradient_as_bucket_view=True`` on CUDA, ``fp16_compress_hook`` and ``bf16_compress_hook``
+cast each bucket, send it and cast the sum back into DDP's bucket on a side stream, so the
+backward stream does no more work than with DDP's built-in allreduce (1x H200: 0.97-0.98x the
+step with the casts on the backward stream with TF32); ``DCOMM_CAST_ASIDE=0`` keeps them there.
+Without it DDP converts the low-precision sum into ``.grad`` itself (one copy fewer).
+
 The C++ hook is compiled on first use by torch's extension builder (about 40 s on 2 cores, then
 cached in ``TORCH_EXTENSIONS_DIR``, one build per torch installation and Python version; a lock left by a build
 that was killed is removed after 3 minutes without progress instead of hanging every later run).
@@ -57,6 +63,7 @@ __all__ = ["native_hooks_available"]
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "DCOMM_NATIVE_HOOKS"
+CAST_ASIDE_SWITCH = "DCOMM_CAST_ASIDE"
 _SOURCE = Path(__file__).with_name("csrc") / "average_hook.cpp"
 
 # The hooks that have a C++ twin, and the dtype each sends in (None: the bucket's own).
@@ -83,6 +90,10 @@ def native_hooks_available() -> bool:
 
 def _enabled() -> bool:
     return switched_on(ENV_SWITCH)
+
+
+def _cast_aside() -> bool:
+    return switched_on(CAST_ASIDE_SWITCH)
 
 
 @contextlib.contextmanager
@@ -226,9 +237,8 @@ def _register_comm_hook(reducer: Any, state: object, comm_hook: Callable[..., An
         quantized_state._wire.switches.append(switch)
         return
     group = resolve_group(state)  # type: ignore[arg-type]
-    extension.register_average_hook(
-        reducer, group, _planner(group, _WIRE_DTYPE[comm_hook]), state, _as_python_caller(comm_hook)
-    )
+    plan = _planner(group, _WIRE_DTYPE[comm_hook])
+    extension.register_average_hook(reducer, group, plan, state, _as_python_caller(comm_hook), None, _cast_aside())
 
 
 # torch's own binding, from where it is defined (``dist``'s name for it is the one wrapped).

@@ -6,6 +6,10 @@
 // hook does not handle (sparse gradients; DDP buckets complex ones as their real view) goes to the
 // Python hook it stands for.
 //
+// Where DDP was built with gradient_as_bucket_view=True (.grad views the bucket) and the bucket is
+// on a GPU, a plain hook sending fp16/bf16 casts, sends and casts back into the bucket on a side
+// stream, and DDP then copies nothing: no work at all on the backward stream.
+//
 // A hook may also be registered switched off, with a callable for its last bucket: it then runs
 // the Python hook for every bucket until Python switches it on. Switched on, it averages every
 // bucket itself and, at the last one, waits for them all (a stream wait on CUDA: on the stream that
@@ -22,8 +26,10 @@
 // Python the shards in the order they were sent: one Python call per backward pass.
 #include <torch/extension.h>
 
+#include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
@@ -63,6 +69,7 @@ struct Plan {
 struct Switch {
   std::atomic<bool> on{true};
   std::atomic<bool> hand_over{true};  // whether the last bucket calls Python (when there is a callable)
+  std::atomic<bool> cast_aside{false};  // where .grad views the bucket: cast, send and cast back on a side stream
   std::optional<c10::Stream> waiting;
   std::atomic<int64_t> bytes_sent{0};
 };
@@ -187,16 +194,80 @@ class AverageHook final : public SwitchedHook {
     sent = buffer;
     if (plan.wire.has_value()) {
       sent = lowPrecisionCopy(bucket.getIndex(), buffer, *plan.wire);
-      if (plan.divisor == 1.0) {
-        sent.copy_(buffer);
-      } else if (isWide(buffer)) {
-        at::div_out(sent, buffer, plan.divisor_as_tensor);  // cast and divide: one kernel
-      } else {
-        sent.copy_(buffer).div_(plan.divisor_as_tensor);  // torch's order (see isWide)
+      if (native_->cast_aside.load() && at_last_.is_none() && buffer.device().type() != at::kCPU &&
+          gradientsAreViewsOf(bucket, buffer)) {
+        return averageAside(bucket.getIndex(), buffer, sent, plan);
       }
+      castInto(sent, buffer, plan);
     } else if (plan.divisor != 1.0) {
       sent.div_(plan.divisor);
     }
+    return launch(sent, plan);
+  }
+
+  // DDP built with gradient_as_bucket_view=True: .grad is a view of the bucket, so when the hook
+  // returns the bucket itself DDP copies nothing after it (a low-precision sum instead makes DDP
+  // convert it into .grad parameter by parameter, on the backward stream, at the end of backward).
+  static bool gradientsAreViewsOf(const c10d::GradBucket& bucket, const at::Tensor& buffer) {
+    const auto parameters = bucket.getParameters();
+    if (parameters.empty()) {
+      return false;
+    }
+    const at::Tensor& grad = parameters.front().grad();
+    return grad.defined() && grad.is_alias_of(buffer);
+  }
+
+  // The cast, the collective and the cast back into DDP's bucket, all ordered on a side stream:
+  // the backward stream only records that the bucket is full and goes on. The returned future
+  // completes on the side stream, so DDP's wait for it orders the backward stream after the cast
+  // back. (1x H200, gradient_as_bucket_view=True: 0.97-0.98x the step with the casts on the
+  // backward stream with TF32, level with bf16 autocast.)
+  c10::intrusive_ptr<c10::ivalue::Future> averageAside(size_t index, const at::Tensor& buffer, at::Tensor& sent,
+                                                       const Plan& plan) {
+    c10::impl::VirtualGuardImpl device(buffer.device().type());
+    c10::Event& full = bucketFull(index, buffer.device().type());
+    full.record(device.getStream(buffer.device()));
+    c10::Stream aside = asideStream(device, buffer.device());
+    full.block(aside);
+    c10::StreamGuard on_aside(aside);
+    castInto(sent, buffer, plan);
+    auto sum = launch(sent, plan);
+    sum->wait();  // the side stream waits for the collective (a stream wait, not the host)
+    buffer.copy_(sent);
+    auto done = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(),
+                                                         std::vector<c10::Device>{buffer.device()});
+    done->markCompleted(c10::IValue(buffer));  // records an event on the side stream
+    return done;
+  }
+
+  static void castInto(at::Tensor& sent, const at::Tensor& buffer, const Plan& plan) {
+    if (plan.divisor == 1.0) {
+      sent.copy_(buffer);
+    } else if (isWide(buffer)) {
+      at::div_out(sent, buffer, plan.divisor_as_tensor);  // cast and divide: one kernel
+    } else {
+      sent.copy_(buffer).div_(plan.divisor_as_tensor);  // torch's order (see isWide)
+    }
+  }
+
+  c10::Event& bucketFull(size_t index, at::DeviceType type) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    while (full_.size() <= index) {
+      full_.push_back(std::make_unique<c10::Event>(type));
+    }
+    return *full_[index];
+  }
+
+  c10::Stream asideStream(const c10::impl::VirtualGuardImpl& device, const at::Device& where) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = aside_.find(where.index());
+    if (found == aside_.end()) {
+      found = aside_.emplace(where.index(), device.getStreamFromGlobalPool(where)).first;
+    }
+    return found->second;
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> launch(at::Tensor& sent, const Plan& plan) {
     const int64_t world = group_->getSize();
     native_->bytes_sent.fetch_add(2 * (world - 1) * static_cast<int64_t>(sent.nbytes()) / world);
     std::vector<at::Tensor> tensors{sent};
@@ -268,6 +339,8 @@ class AverageHook final : public SwitchedHook {
   std::mutex mutex_;
   std::map<std::tuple<at::ScalarType, at::DeviceType, at::DeviceIndex>, Plan> plans_;
   std::vector<at::Tensor> low_;
+  std::vector<std::unique_ptr<c10::Event>> full_;  // per bucket: the backward stream has filled it
+  std::map<at::DeviceIndex, c10::Stream> aside_;   // the side stream of averageAside, per device
 };
 
 class ScatterHook final : public SwitchedHook {
@@ -370,9 +443,11 @@ class ScatterHook final : public SwitchedHook {
 
 std::shared_ptr<Switch> registerHook(const std::shared_ptr<c10d::Reducer>& reducer,
                                      const c10::intrusive_ptr<c10d::ProcessGroup>& group, py::object plan_for,
-                                     py::object state, py::object python_hook, py::object at_last) {
+                                     py::object state, py::object python_hook, py::object at_last,
+                                     bool cast_aside) {
   auto native = std::make_shared<Switch>();
   native->on.store(at_last.is_none());  // with a last-bucket callable, Python switches it on
+  native->cast_aside.store(cast_aside);
   reducer->register_comm_hook(std::make_unique<AverageHook>(group, std::move(plan_for), std::move(state),
                                                             std::move(python_hook), std::move(at_last), native));
   return native;
@@ -436,7 +511,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "The shards (send buffer, receive buffer, parameters) and, per bucket, its pieces "
           "(shard, parameters, [(bucket offset, send offset, elements)]).");
   m.def("register_average_hook", &registerHook, py::arg("reducer"), py::arg("group"), py::arg("plan_for"),
-        py::arg("state"), py::arg("python_hook"), py::arg("at_last") = py::none(),
+        py::arg("state"), py::arg("python_hook"), py::arg("at_last") = py::none(), py::arg("cast_aside") = false,
         "Register the C++ averaging hook on DDP's reducer (once, before the first backward); return its switch.");
   m.def("register_scatter_hook", &registerScatterHook, py::arg("reducer"), py::arg("group"), py::arg("state"),
         py::arg("python_hook"), py::arg("at_last"),

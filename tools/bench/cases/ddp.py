@@ -59,11 +59,12 @@ def build_ddp(
     their casts on the backward stream there (``DCOMM_CAST_ASIDE=0``).
     """
     from dcomm.core.environment import variable_set
+    from dcomm.ddp.native_hooks import CAST_ASIDE_SWITCH
 
     ddp = ctx.ddp(ctx.model(), gradient_as_bucket_view=views)
     if hook is not None:
         impl, name = hook
-        with python_hooks() if python else contextlib.nullcontext(), variable_set("DCOMM_CAST_ASIDE", str(int(aside))):
+        with python_hooks() if python else contextlib.nullcontext(), variable_set(CAST_ASIDE_SWITCH, str(int(aside))):
             ddp.register_comm_hook(None, resolve(impl, DDP_HOOKS[name]))
     return sgd_variant(ctx, ddp)
 

@@ -55,6 +55,15 @@ bool isWide(const at::Tensor& tensor) {
   return tensor.scalar_type() == at::kFloat || tensor.scalar_type() == at::kDouble;
 }
 
+// out = source / divisor in out's dtype (divisor: a wrapped-number tensor, as Python passes it).
+void divideInto(at::Tensor& out, const at::Tensor& source, const at::Tensor& divisor) {
+  if (isWide(source)) {
+    at::div_out(out, source, divisor);  // cast and divide: one kernel
+  } else {
+    out.copy_(source).div_(divisor);  // torch's order (see isWide)
+  }
+}
+
 struct Plan {
   double divisor;  // applied before the sum; 1 means none
   at::Tensor divisor_as_tensor;  // the same number, as Python passes it to an out= division
@@ -243,10 +252,8 @@ class AverageHook final : public SwitchedHook {
   static void castInto(at::Tensor& sent, const at::Tensor& buffer, const Plan& plan) {
     if (plan.divisor == 1.0) {
       sent.copy_(buffer);
-    } else if (isWide(buffer)) {
-      at::div_out(sent, buffer, plan.divisor_as_tensor);  // cast and divide: one kernel
     } else {
-      sent.copy_(buffer).div_(plan.divisor_as_tensor);  // torch's order (see isWide)
+      divideInto(sent, buffer, plan.divisor_as_tensor);
     }
   }
 
@@ -364,7 +371,7 @@ class ScatterHook final : public SwitchedHook {
     const at::Tensor& buffer = bucket.getBufferRef();
     for (const Piece& piece : native_->buckets[index]) {
       Shard& shard = native_->shards[piece.shard];
-      divideInto(shard.send, buffer, piece);
+      fillSend(shard.send, buffer, piece);
       shard.seen += piece.count;
       if (shard.seen == shard.params) {
         shard.seen = 0;
@@ -384,7 +391,7 @@ class ScatterHook final : public SwitchedHook {
   // send[dst : dst + n] = bucket[src : src + n] / world for each run: the arithmetic of the Python
   // hook (one division into the send buffer for a single run; a copy, then the division in place,
   // for several runs of one dtype).
-  void divideInto(at::Tensor& send, const at::Tensor& buffer, const Piece& piece) {
+  void fillSend(at::Tensor& send, const at::Tensor& buffer, const Piece& piece) {
     if (!world_.defined()) {
       world_ = at::scalar_tensor(native_->world, at::kLong);
       world_.unsafeGetTensorImpl()->set_wrapped_number(true);
@@ -392,11 +399,7 @@ class ScatterHook final : public SwitchedHook {
     if (piece.runs.size() == 1 || buffer.scalar_type() != send.scalar_type()) {
       for (const auto& [src, dst, numel] : piece.runs) {
         at::Tensor target = send.narrow(0, dst, numel);
-        if (isWide(buffer)) {
-          at::div_out(target, buffer.narrow(0, src, numel), world_);
-        } else {
-          target.copy_(buffer.narrow(0, src, numel)).div_(world_);
-        }
+        divideInto(target, buffer.narrow(0, src, numel), world_);
       }
       return;
     }

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -145,7 +146,17 @@ def _one_rank_cannot_build(rank: int, world: int) -> list[str]:
     paths = []
     for hook in (allreduce_hook, bf16_compress_hook):
         ddp = DDP(seeded_mlp(6, 12, 3), bucket_cap_mb_list=BUCKET_CAPS)
-        paths.append(register_comm_hook(ddp, None, hook, _load=load))
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            paths.append(register_comm_hook(ddp, None, hook, _load=load))
+        told = [str(w.message) for w in said if "dcomm.ddp" in str(w.message)]
+        # Once per job: on rank 1, which knows why, for the first hook only; nowhere else.
+        if rank == 1 and hook is allreduce_hook:
+            assert len(told) == 1, told
+            assert "no C++ compiler ('c++' not found); install g++" in told[0], told
+            assert "or pass native=False" in told[0], told
+        else:
+            assert told == [], told
         ddp(seeded_batch(rank, 0, (5, 6))).sum().backward()  # the Python hook runs on every rank: no hang
         with pytest.raises(RuntimeError) as refused:
             register_comm_hook(

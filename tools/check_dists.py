@@ -2,7 +2,9 @@
 
 For each package: ``hatch build`` (wheel + sdist), ``twine check --strict`` on both, the LICENSE
 in both archives (the BSD license requires the notice to travel with the code; the package's copy
-must equal the root LICENSE), and a PyPI description whose links are all absolute.
+must equal the root LICENSE), a PyPI description whose links are all absolute, and every C++
+source under the package's ``src`` in both archives (dcomm-ddp builds its C++ hooks from the
+installed ``.cpp``: a wheel without it has no C++ path).
 
 Example::
 
@@ -57,6 +59,20 @@ def archive_problems(wheel: Path, sdist: Path, license_text: str) -> list[str]:
     return problems
 
 
+def native_source_problems(src: Path, wheel: Path, sdist: Path) -> list[str]:
+    """Every ``.cpp`` under ``src`` must be in the wheel (at its import path) and in the sdist."""
+    sources = sorted(path.relative_to(src).as_posix() for path in src.rglob("*.cpp"))
+    with zipfile.ZipFile(wheel) as zf:
+        in_wheel = set(zf.namelist())
+    with tarfile.open(sdist) as tf:
+        in_sdist = {member.name.split("/", 1)[-1] for member in tf.getmembers()}
+    problems = [
+        f"{wheel.name}: no {source} (the C++ path builds from it)" for source in sources if source not in in_wheel
+    ]
+    problems += [f"{sdist.name}: no src/{source}" for source in sources if f"src/{source}" not in in_sdist]
+    return problems
+
+
 def main() -> int:
     license_text = (ROOT / "LICENSE").read_text()
     problems = []
@@ -68,11 +84,15 @@ def main() -> int:
             build(package.folder, out)
             (wheel,), (sdist,) = sorted(out.glob("*.whl")), sorted(out.glob("*.tar.gz"))
             problems += archive_problems(wheel, sdist, license_text)
+            problems += native_source_problems(package.folder / "src", wheel, sdist)
             subprocess.run([sys.executable, "-m", "twine", "check", "--strict", str(wheel), str(sdist)], check=True)
     for problem in problems:
         print(f"dist check: {problem}", file=sys.stderr)
     if not problems:
-        print("dist check: ok (wheels and sdists carry LICENSE, absolute links, project URLs, twine --strict)")
+        print(
+            "dist check: ok (wheels and sdists carry LICENSE, C++ sources, absolute links, project URLs, "
+            "twine --strict)"
+        )
     return 1 if problems else 0
 
 

@@ -180,11 +180,10 @@ def powersgd_state(impl: str, ctx: Context) -> Any:
 def quantized_state(impl: str, ctx: Context) -> Any:
     """Error feedback on when dcomm has a state for it (``QuantizedState``), else no state.
 
-    The codes at every step (``bf16_if_faster=False``): the demo charts what int8/fp8 do to the
-    loss, and a quick link (gloo on one host) could otherwise have the hook send bf16.
+    The hooks send their codes at every step: the demo charts what int8/fp8 do to the loss.
     """
     try:
-        return _load("dcomm.ddp:QuantizedState")(None, error_feedback=True, bf16_if_faster=False)
+        return _load("dcomm.ddp:QuantizedState")(None, error_feedback=True)
     except Unavailable:
         return None
 

@@ -1,9 +1,9 @@
-"""The C++ hooks DDP's reducer gets for dcomm's averaging hooks, against the Python hooks and torch's.
+"""The C++ fast path: ``dcomm.ddp.register_comm_hook``, the C++ hooks it registers, and their build.
 
-Registering ``allreduce_hook``, ``fp16_compress_hook`` or ``bf16_compress_hook`` with
-``ddp.register_comm_hook`` puts a C++ hook on the reducer (``dcomm.ddp.native_hooks``); with
-``DCOMM_NATIVE_HOOKS=0`` the Python hook runs. Both must give the same parameters, bit for bit,
-and the C++ path must not enter the Python hook for a dense real bucket.
+``register_comm_hook(ddp, state, hook, native=True)`` puts a C++ hook on DDP's reducer for
+``allreduce_hook``, ``fp16_compress_hook`` and ``bf16_compress_hook`` (and the ZeRO overlap hooks);
+``native=False`` registers the Python hook. Both must give torch's parameters, bit for bit, the C++
+path must not enter the Python hook for a dense real bucket, and every rank must take the same path.
 """
 
 import contextlib
@@ -14,6 +14,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -22,12 +23,16 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import dcomm.ddp
 import dcomm.ddp.default_hooks as default_hooks
-from dcomm.ddp import allreduce_hook, bf16_compress_hook, fp16_compress_hook, native_hooks
+from dcomm.core import native_build
+from dcomm.core.native_build import BuildLock, NativeBuildError, missing_prerequisite
+from dcomm.ddp import allreduce_hook, bf16_compress_hook, fp16_compress_hook, native_hooks, register_comm_hook
 from dcomm_testing import assert_close, assert_same_on_ranks, recorded_calls, run_ranks, seeded_batch, seeded_mlp
 
 STEPS = 3
 BUCKET_CAPS = [0.0003] * 8  # every parameter in a bucket of its own
+HAS_COMPILER = shutil.which(os.environ.get("CXX") or "c++") is not None
 
 
 class Mixed(nn.Module):
@@ -47,70 +52,77 @@ class Mixed(nn.Module):
         return out
 
 
-def train(hook: Callable, state: object, dtype: torch.dtype, enabled: bool, complex_layer: bool = False) -> tuple:
-    """Parameters after STEPS steps, and how many times the Python hook ran."""
+def train(hook: Callable, state: object, dtype: torch.dtype, native: bool, complex_layer: bool = False) -> tuple:
+    """Parameters after STEPS steps, how many times the Python hook ran, and the path taken."""
     rank = dist.get_rank()
     # _check_group: the first thing every Python hook call does.
     with recorded_calls(default_hooks, "_check_group", lambda group, name: name) as calls:
         net = Mixed(dtype, complex_layer)
         ddp = DDP(net, bucket_cap_mb_list=BUCKET_CAPS)
-        with native_hooks.switched(enabled):
-            ddp.register_comm_hook(state, hook)
+        path = register_comm_hook(ddp, state, hook, native=native)
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
         for step in range(STEPS):
             opt.zero_grad()
             ddp(seeded_batch(rank, step, (5, 6), dtype=dtype)).backward()
             opt.step()
-    return [p.detach().clone() for p in net.parameters()], len(calls)
+    return [p.detach().clone() for p in net.parameters()], len(calls), path
 
 
-def _native_matches_python(rank: int, world: int) -> None:
+def _torch_bf16(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return torch_hooks.bf16_compress_hook(process_group, bucket)  # DDP refuses its name on gloo
+
+
+TORCH_TWIN = {
+    allreduce_hook: torch_hooks.allreduce_hook,
+    fp16_compress_hook: torch_hooks.fp16_compress_hook,
+    bf16_compress_hook: _torch_bf16,
+}
+
+
+def _native_matches_python_and_torch(rank: int, world: int) -> None:
     assert native_hooks.native_hooks_available()
     groups = [None]
     if world == 4:  # also over a subgroup: pairs [0, 1] and [2, 3]
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         groups.append(pairs[rank // 2])
     cases = [
-        (allreduce_hook, torch.float32),
-        (allreduce_hook, torch.float16),
-        (fp16_compress_hook, torch.float32),
-        (fp16_compress_hook, torch.float16),  # already fp16: averaged in place
-        (bf16_compress_hook, torch.float32),
-        (bf16_compress_hook, torch.bfloat16),
+        (hook, dtype)
+        for hook in (allreduce_hook, fp16_compress_hook, bf16_compress_hook)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16)
     ]
     for group in groups:
         for hook, dtype in cases:
             what = f"{hook.__name__}, {dtype} model, group {'WORLD' if group is None else 'pair'}"
-            ours, python_calls = train(hook, group, dtype, enabled=True)
-            reference, reference_calls = train(hook, group, dtype, enabled=False)
+            ours, python_calls, path = train(hook, group, dtype, native=True)
+            reference, reference_calls, reference_path = train(hook, group, dtype, native=False)
+            assert (path, reference_path) == ("native", "python"), what
             assert python_calls == 0, f"{what}: the C++ hook entered the Python hook {python_calls} times"
             assert reference_calls >= 2 * STEPS, f"{what}: the Python hook ran {reference_calls} times"
             assert_close(ours, reference, 0.0, what)
+            assert_close(ours, train(TORCH_TWIN[hook], group, dtype, native=False)[0], 0.0, f"{what} vs torch's")
             assert_same_on_ranks(ours, what, group)
-            if hook is allreduce_hook:
-                assert_close(ours, train(torch_hooks.allreduce_hook, group, dtype, enabled=True)[0], 0.0, what)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_native_hooks_match_python_hooks_bit_for_bit(world: int) -> None:
-    run_ranks(_native_matches_python, world, timeout=240)
+def test_native_and_python_hooks_match_torch_bit_for_bit(world: int) -> None:
+    run_ranks(_native_matches_python_and_torch, world, timeout=360)
 
 
 def _complex_and_sparse(rank: int, world: int) -> None:
     # DDP buckets a complex gradient as its real view: it stays in C++, with torch's results.
-    ours, python_calls = train(allreduce_hook, None, torch.float32, enabled=True, complex_layer=True)
+    ours, python_calls, _ = train(allreduce_hook, None, torch.float32, native=True, complex_layer=True)
     assert python_calls == 0, python_calls
-    torchs, _ = train(torch_hooks.allreduce_hook, None, torch.float32, enabled=True, complex_layer=True)
+    torchs, _, _ = train(torch_hooks.allreduce_hook, None, torch.float32, native=False, complex_layer=True)
     assert_close(ours, torchs, 0.0, "allreduce_hook with a complex parameter vs torch's")
-    # A sparse gradient's bucket goes to the Python hook, with a future of its own.
+    # A sparse gradient's bucket goes to the Python hook.
     grads = {}
     for name, hook in (("ours", allreduce_hook), ("torch", torch_hooks.allreduce_hook)):
         torch.manual_seed(0)
         table = nn.Embedding(10, 3, sparse=True)
         ddp = DDP(table)
-        with native_hooks.switched(True):
-            ddp.register_comm_hook(None, hook)
+        register_comm_hook(ddp, None, hook, native=name == "ours")
         ddp(torch.tensor([rank, rank + 1, 7])).pow(2).sum().backward()
         grads[name] = table.weight.grad.to_dense()
     assert_close([grads["ours"]], [grads["torch"]], 0.0, "allreduce_hook on a sparse gradient vs torch's")
@@ -118,124 +130,194 @@ def _complex_and_sparse(rank: int, world: int) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
 @pytest.mark.parametrize("world", [2, 3])
 def test_complex_in_cpp_and_sparse_buckets_in_the_python_hook(world: int) -> None:
     run_ranks(_complex_and_sparse, world, timeout=240)
 
 
-def test_switch_off_and_other_hooks_use_torchs_registration(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert dist._register_comm_hook is native_hooks._register_comm_hook  # installed by importing dcomm.ddp
-    native_hooks.install()  # twice is once
-    assert native_hooks._TORCH_REGISTER is torch._C._distributed_c10d._register_comm_hook
-    seen = []
-    monkeypatch.setattr(native_hooks, "_TORCH_REGISTER", lambda *args: seen.append(args[2]))
-    monkeypatch.setattr(native_hooks, "_extension", lambda: pytest.fail("the extension was asked for"))
-    with native_hooks.switched(False):
-        assert not native_hooks.native_hooks_available()
-        native_hooks._register_comm_hook(object(), None, allreduce_hook)
-    native_hooks._register_comm_hook(object(), None, torch_hooks.allreduce_hook)
-    native_hooks._register_comm_hook(object(), "not a group", bf16_compress_hook)  # the Python hook raises later
-    assert seen == [allreduce_hook, torch_hooks.allreduce_hook, bf16_compress_hook]
+def _cannot_build() -> ModuleType:
+    raise NativeBuildError("the C++ DDP hooks", "no C++ compiler ('c++' not found)", "install g++ or set CXX to one")
 
 
-def test_build_failure_warns_once_and_keeps_the_python_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
-    from torch.utils import cpp_extension
+def _one_rank_cannot_build(rank: int, world: int) -> list[str]:
+    """Rank 1 cannot build: every rank takes the Python path (None), or raises (True); the paths taken."""
+    load = _cannot_build if rank == 1 else native_hooks.load_native_hooks
+    paths = []
+    for hook in (allreduce_hook, bf16_compress_hook):
+        ddp = DDP(seeded_mlp(6, 12, 3), bucket_cap_mb_list=BUCKET_CAPS)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            paths.append(register_comm_hook(ddp, None, hook, _load=load))
+        told = [str(w.message) for w in said if "dcomm.ddp" in str(w.message)]
+        # Once per job: on rank 1, which knows why, for the first hook only; nowhere else.
+        if rank == 1 and hook is allreduce_hook:
+            assert len(told) == 1, told
+            assert "no C++ compiler ('c++' not found); install g++" in told[0], told
+            assert "or pass native=False" in told[0], told
+        else:
+            assert told == [], told
+        ddp(seeded_batch(rank, 0, (5, 6))).sum().backward()  # the Python hook runs on every rank: no hang
+        with pytest.raises(RuntimeError) as refused:
+            register_comm_hook(
+                DDP(seeded_mlp(6, 3), bucket_cap_mb_list=BUCKET_CAPS), None, hook, native=True, _load=load
+            )
+        message = str(refused.value)
+        assert "native=True: the C++ DDP hooks cannot be used on rank(s) [1]" in message, message
+        assert "native=None" in message, message
+        if rank == 1:  # the rank that knows why names the cause and the fix
+            assert "no C++ compiler ('c++' not found); install g++ or set CXX" in message, message
+    # A hook without a C++ twin: the Python hook, without a collective (rank 1 would be alone in it).
+    state = dcomm.ddp.PostLocalSGDState(None, None, start_localSGD_iter=10)
+    ddp = DDP(seeded_mlp(6, 3), bucket_cap_mb_list=BUCKET_CAPS)
+    paths.append(register_comm_hook(ddp, state, dcomm.ddp.post_localSGD_hook, native=True, _load=load))
+    return paths
 
-    def failing_load(**kwargs: object) -> None:
-        raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(cpp_extension, "load", failing_load)
-    native_hooks._extension.cache_clear()
-    try:
-        with pytest.warns(RuntimeWarning, match=r"C\+\+ DDP hooks could not be built \(RuntimeError: no compiler"):
-            assert not native_hooks.native_hooks_available()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            assert not native_hooks.native_hooks_available()  # cached: no second warning
-        seen = []
-        monkeypatch.setattr(native_hooks, "_TORCH_REGISTER", lambda *args: seen.append(args[2]))
-        native_hooks._register_comm_hook(object(), None, fp16_compress_hook)
-        assert seen == [fp16_compress_hook]
-    finally:
-        native_hooks._extension.cache_clear()
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_takes_the_same_path_when_one_rank_cannot_build(world: int) -> None:
+    assert run_ranks(_one_rank_cannot_build, world, timeout=240) == [["python"] * 3] * world
 
 
-@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")
-def test_the_cpp_hook_builds_where_a_compiler_is() -> None:
-    # CI has one: the C++ hooks must build there, not silently fall back.
-    assert native_hooks.native_hooks_available()
+def _bad_arguments(rank: int, world: int) -> None:
+    with pytest.raises(TypeError, match=r"ddp_model: expected a torch.nn.parallel.DistributedDataParallel, got Linear"):
+        register_comm_hook(nn.Linear(2, 2), None, allreduce_hook)  # type: ignore[arg-type]
+    ddp = DDP(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"native: expected True, False or None, got 'yes'"):
+        register_comm_hook(ddp, None, allreduce_hook, native="yes")  # type: ignore[arg-type]
+    assert register_comm_hook(ddp, None, allreduce_hook, native=False) == "python"
+    with pytest.raises(RuntimeError, match="can only be called once"):  # DDP's own refusal, as before
+        register_comm_hook(ddp, None, allreduce_hook, native=False)
 
 
-def test_a_stale_build_lock_is_removed_and_a_live_one_waited_for(tmp_path: Path) -> None:
-    lock = tmp_path / "lock"
-    lock.touch()
-    now = tmp_path.stat().st_mtime
-    # Another process is building: the lock goes away while we wait; nothing is removed by us.
-    waits: list[float] = []
+def test_bad_arguments_are_named() -> None:
+    run_ranks(_bad_arguments, 1)
 
-    def other_process_finishes(seconds: float) -> None:
-        waits.append(seconds)
-        if len(waits) == 3:
-            lock.unlink()
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        native_hooks.clear_stale_lock(tmp_path, 180.0, clock=lambda: now + 5, sleep=other_process_finishes)
-    assert len(waits) == 3
+def test_importing_dcomm_changes_nothing_in_torch() -> None:
+    check = (
+        "import torch, torch.distributed as dist\n"
+        "before = {name: getattr(dist, name) for name in dir(dist)}\n"
+        "import dcomm.ddp, dcomm.core\n"
+        "changed = [name for name in before if getattr(dist, name) is not before[name]]\n"
+        "assert changed == [], changed\n"
+        "assert dist._register_comm_hook is torch._C._distributed_c10d._register_comm_hook\n"
+    )
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+# -- the build --------------------------------------------------------------------------------------
+
+
+def test_each_missing_prerequisite_is_named_with_its_fix(tmp_path: Path) -> None:
+    here = tmp_path / "build"
+    found = shutil.which
+    assert missing_prerequisite(here, compiler="no-such-c++") == (
+        "no C++ compiler ('no-such-c++' not found)",
+        "install g++ (apt-get install g++) or set CXX to one",
+    )
+    cause, fix = missing_prerequisite(here, compiler=sys.executable, python_include=tmp_path)  # type: ignore[misc]
+    assert cause == f"no Python headers ({tmp_path / 'Python.h'} is missing)", cause
+    assert fix.startswith("install python3-dev (python3."), fix
+    (tmp_path / "Python.h").touch()
+    a_file = tmp_path / "file"
+    a_file.touch()
+    cause, fix = missing_prerequisite(a_file / "build", compiler=sys.executable, python_include=tmp_path)  # type: ignore[misc]
+    assert (cause, fix) == (
+        f"the build cache {a_file} is not writable",
+        "set TORCH_EXTENSIONS_DIR to a writable directory",
+    )
+    no_ninja = lambda name: None if name == "ninja" else found(name)  # noqa: E731
+    problem = missing_prerequisite(
+        here,
+        compiler=sys.executable,
+        python_include=tmp_path,
+        which=no_ninja,
+        ninja_fix="pip install dcomm-ddp[native]",
+    )
+    assert problem == ("no ninja (torch's extension builder runs it)", "pip install dcomm-ddp[native]")
+    assert missing_prerequisite(here, compiler=sys.executable, python_include=tmp_path, which=lambda name: name) is None
+
+
+def test_a_build_warns_once_and_a_failed_build_names_its_cause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "example.cpp"
+    source.write_text("// an example")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native_build, "missing_prerequisite", lambda *args, **kwargs: None)
+    built = ModuleType("built")
+    monkeypatch.setattr(native_build, "_build", lambda name, source, directory: built)
+    with pytest.warns(UserWarning, match=r"^building dcomm's example module \(about 40 s, once per torch/Python\); "):
+        assert native_build.load(source, "dcomm_test", "the example module", prebuild="python -m x") is built
+    assert not list((tmp_path / "cache").glob("*/dcomm.lock")), "the build lock was left behind"
+
+    def failing(name: str, source: Path, directory: Path) -> ModuleType:
+        raise RuntimeError("Error building extension 'x'\nexample.cpp:1: error: expected ';'")
+
+    monkeypatch.setattr(native_build, "_build", failing)
+    source.write_text("// another example")  # another module: not warned about yet
+    with pytest.raises(NativeBuildError) as failed, pytest.warns(UserWarning, match="building dcomm's"):
+        native_build.load(source, "dcomm_test", "the example module", prebuild="python -m x")
+    assert str(failed.value) == (
+        "the example module cannot be built: the build failed (RuntimeError: Error building extension 'x' | "
+        "example.cpp:1: error: expected ';'); run `python -m x` to see the compiler's output"
+    )
+    monkeypatch.setattr(native_build, "missing_prerequisite", lambda *args, **kwargs: ("no ninja", "pip install ninja"))
+    with pytest.raises(NativeBuildError, match=r"^the example module cannot be built: no ninja; pip install ninja$"):
+        native_build.load(source, "dcomm_test", "the example module")
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_live_builds_lock_is_never_taken_and_a_dead_ones_is(tmp_path: Path) -> None:
+    from dcomm.core import host_identity
+
+    lock = tmp_path / BuildLock.NAME
+    looks: list[float] = []
+
+    def give_up_after_three(seconds: float) -> None:
+        looks.append(seconds)
+        if len(looks) == 3:
+            raise TimeoutError("still locked")
+
+    # A live owner on this host (this very process), and one on another host: waited for, never removed.
+    for owner in (f"{os.getpid()} {host_identity()}", f"{_dead_pid()} another-host/boot"):
+        lock.write_text(owner)
+        looks.clear()
+        with pytest.raises(TimeoutError), BuildLock(tmp_path, sleep=give_up_after_three):
+            pass
+        assert lock.read_text() == owner
+    # A dead owner on this host: its lock goes, and with it the lock torch's builder left behind.
+    lock.write_text(f"{_dead_pid()} {host_identity()}")
+    (tmp_path / "lock").touch()
+    with BuildLock(tmp_path, sleep=pytest.fail):
+        assert lock.read_text() == f"{os.getpid()} {host_identity()}"
+        assert not (tmp_path / "lock").exists()
     assert not lock.exists()
-    # A build killed 200 s ago: its lock is removed at once, with a warning naming it.
-    lock.touch()
-    with pytest.warns(RuntimeWarning, match=r"removed .*lock, left by a build .* stopped 2\d\d s ago"):
-        native_hooks.clear_stale_lock(tmp_path, 180.0, clock=lambda: now + 200, sleep=pytest.fail)
-    assert not lock.exists()
-    native_hooks.clear_stale_lock(tmp_path, 180.0, sleep=pytest.fail)  # no lock: no wait
-    # A lock quiet for longer than a build: the wait says why, once, before the lock goes stale.
-    lock.touch()
-    times = iter([now + 90, now + 120, now + 200])
-    with pytest.warns(RuntimeWarning) as said:
-        native_hooks.clear_stale_lock(tmp_path, 180.0, clock=lambda: next(times), sleep=lambda seconds: None)
-    messages = [str(w.message) for w in said]
-    assert len(messages) == 2, messages
-    assert "waiting for" in messages[0], messages
-    assert "unchanged for" in messages[0], messages
-    assert "left by a build" in messages[1], messages
 
 
-_LOAD_WITH_A_STALE_LOCK = """
-import sys
-from pathlib import Path
-from dcomm.ddp import native_hooks
-native_hooks.STALE_BUILD_S = 0.0  # the lock below counts as left by a killed build
-Path(sys.argv[1], "lock").touch()
-assert native_hooks.native_hooks_available()
-"""
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+def test_the_build_command_exits_0_with_the_cache_and_1_with_the_cause(tmp_path: Path) -> None:
+    build = [sys.executable, "-m", "dcomm.ddp.build"]
+    done = subprocess.run(build, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"ready in {native_hooks.native_hooks_file()}" in done.stdout, done.stdout
+    assert native_hooks.native_hooks_file().exists()
+    # An empty cache and no compiler: exit 1, the cause and the fix on stderr.
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "no-such-c++"}
+    done = subprocess.run(build, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1, (done.stdout, done.stderr[-2000:])
+    assert "the C++ DDP hooks cannot be built: no C++ compiler ('no-such-c++' not found); install g++" in done.stderr
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler on this machine")
-def test_a_build_killed_half_way_does_not_hang_the_next_run() -> None:
-    # torch's builder waits for as long as a lock file exists in the build directory; one left by
-    # a killed build hung every later run (the process below would never end).
-    assert native_hooks.native_hooks_available()  # built (or cached) here first
-    directory = Path(_build_root()) / native_hooks.build_name()  # this environment's, not another's
-    assert (directory / f"{directory.name}.so").exists()
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", _LOAD_WITH_A_STALE_LOCK, str(directory)],
-            capture_output=True,
-            text=True,
-            timeout=200,
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert "left by a build of the C++ DDP hooks" in done.stderr
-    finally:
-        (directory / "lock").unlink(missing_ok=True)
-
-
-def _build_root() -> str:
-    from torch.utils import cpp_extension
-
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+# -- ZeRO overlap in C++ ----------------------------------------------------------------------------
 
 
 def _counting(launch: Callable, counted: list[int]) -> Callable:
@@ -273,8 +355,8 @@ def _zero_overlap_in_cpp(rank: int, world: int) -> None:
     ]
     for builder, inner, options, ddp_options in cases:
         what = f"{builder.__name__}({inner.__module__}.{inner.__name__}, {options}, {ddp_options})"
-        results, launches, switches = {}, {}, {}
-        for enabled in (True, False):
+        results, launches, switches, paths = {}, {}, {}, {}
+        for native in (True, False):
             dtype = ddp_options.get("dtype", torch.float32)
             net = seeded_mlp(8, 16, 16, 4, activation=nn.ReLU, dtype=dtype)
             ddp_kwargs = {k: v for k, v in ddp_options.items() if k not in ("frozen", "accumulate", "dtype")}
@@ -284,8 +366,7 @@ def _zero_overlap_in_cpp(rank: int, world: int) -> None:
             trained = list(net.parameters())[:-1] if ddp_options.get("frozen") else net.parameters()
             zero = ZeroRedundancyOptimizer(trained, torch.optim.Adam, overlap_with_ddp=True, lr=0.01)
             hook = builder(inner, ddp, zero, **options)
-            with native_hooks.switched(enabled):
-                ddp.register_comm_hook(None, hook)
+            paths[native] = register_comm_hook(ddp, None, hook, native=native)
             driver = getattr(hook, HOOK_MARK)
             counted: list[int] = []
             driver.launch = _counting(driver.launch, counted)
@@ -297,17 +378,21 @@ def _zero_overlap_in_cpp(rank: int, world: int) -> None:
                 per_step.append(len(counted))
                 counted.clear()
             wait_for_parameters(hook)  # a no-op without gather_during_forward
-            results[enabled] = [p.detach().clone() for p in net.parameters()]
-            launches[enabled], switches[enabled] = per_step, driver.native_switch
+            results[native] = [p.detach().clone() for p in net.parameters()]
+            launches[native], switches[native] = per_step, driver.native_switch
         assert switches[False] is None, what
+        assert paths[False] == "python", what
         assert all(n >= 1 for n in launches[False]), (what, launches)
         if ddp_options.get("frozen"):
+            assert paths[True] == "native", what
             assert not switches[True].on, what  # registered, never switched on
             assert all(n >= 1 for n in launches[True]), (what, launches)
         elif "find_unused_parameters" in ddp_options:
+            assert paths[True] == "python", what
             assert switches[True] is None, what  # registered as a Python hook
             assert all(n >= 1 for n in launches[True]), (what, launches)
         else:
+            assert paths[True] == "native", what
             assert switches[True].on, what
             assert launches[True][-3:] == [0, 0, 0], (what, launches)
         assert_close(results[True], results[False], 0.0, what)
@@ -315,9 +400,13 @@ def _zero_overlap_in_cpp(rank: int, world: int) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
 @pytest.mark.parametrize("world", [2, 3])
 def test_zero_overlap_fused_step_runs_from_cpp(world: int) -> None:
     run_ranks(_zero_overlap_in_cpp, world, timeout=240)
+
+
+# -- CUDA: the side-stream cast --------------------------------------------------------------------
 
 
 def _kernel_streams(prof: object) -> tuple[set[int], set[int], int]:
@@ -337,16 +426,13 @@ def _kernel_streams(prof: object) -> tuple[set[int], set[int], int]:
 def _cast_aside_on_cuda(rank: int, world: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from dcomm.core.environment import variable_set
-
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
 
-    def train(hook: Callable, dtype: torch.dtype, views: bool, aside: bool = True) -> tuple:
+    def train(hook: Callable, dtype: torch.dtype, views: bool, native: bool) -> tuple:
         net = seeded_mlp(16, 64, 64, 8, dtype=dtype, device=device)
         ddp = DDP(net, device_ids=[device], bucket_cap_mb=0.01, gradient_as_bucket_view=views)
-        with variable_set(native_hooks.CAST_ASIDE_SWITCH, "1" if aside else "0"):
-            ddp.register_comm_hook(None, hook)
+        register_comm_hook(ddp, None, hook, native=native)
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
         for step in range(5):
             with profile(activities=[ProfilerActivity.CUDA]) if step == 4 else contextlib.nullcontext() as prof:
@@ -364,9 +450,9 @@ def _cast_aside_on_cuda(rank: int, world: int) -> None:
     for ours, theirs, dtype in cases:
         for views in (True, False):
             what = f"{ours.__name__}, {dtype} model, gradient_as_bucket_view={views}"
-            params, (casts, nccl, compute) = train(ours, dtype, views)
-            assert_close(params, train(theirs, dtype, views)[0], 0.0, what)
-            assert_close(params, train(ours, dtype, views, aside=False)[0], 0.0, what)
+            params, (casts, nccl, compute) = train(ours, dtype, views, native=True)
+            assert_close(params, train(theirs, dtype, views, native=False)[0], 0.0, what)
+            assert_close(params, train(ours, dtype, views, native=False)[0], 0.0, what)
             off_stream = casts - nccl - {compute}
             # With .grad viewing the buckets the casts run on a side stream; without, on backward's.
             assert bool(off_stream) == views, (what, casts, nccl, compute)

@@ -243,10 +243,10 @@ def test_state_arguments_and_bad_state_dict() -> None:
         QuantizedState(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="cuda_graphs: expected True or False, got 'no'; pass False to run"):
         QuantizedState(None, cuda_graphs="no")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="bf16_if_faster: expected True or False, got 'yes'; pass False to send"):
-        QuantizedState(None, bf16_if_faster="yes")  # type: ignore[arg-type]
-    assert QuantizedState(None).bf16_if_faster
-    assert "bf16_if_faster=False, wire=None" in repr(QuantizedState(None, bf16_if_faster=False))
+    # What is sent never depends on timing: the codes at every step, no choice to make.
+    with pytest.raises(TypeError, match="bf16_if_faster"):
+        QuantizedState(None, bf16_if_faster=True)  # type: ignore[call-arg]
+    assert not hasattr(QuantizedState(None), "wire")
     assert QuantizedState(None).cuda_graphs
     assert not QuantizedState(None, cuda_graphs=False).cuda_graphs
     assert "cuda_graphs=False" in repr(QuantizedState(None, cuda_graphs=False))
@@ -264,6 +264,9 @@ def test_state_arguments_and_bad_state_dict() -> None:
     with pytest.raises(TypeError, match=r"state_dict\['shard_error_dict'\]: expected a mapping .* got list"):
         state.load_state_dict(bad)
     assert state.bytes_sent == 5
+    # dcomm-ddp 0.1's checkpoints also hold the removed wire choice: it loads, and the codes stay.
+    state.load_state_dict(dict(state.state_dict(), bytes_sent=7, wire="bf16", passes=40))
+    assert state.bytes_sent == 7
     with pytest.raises(TypeError, match="state: int8_compress_hook expects a QuantizedState or None, got str"):
         int8_compress_hook("WORLD", last_bucket(torch.ones(4)))  # type: ignore[arg-type]
 
@@ -306,9 +309,7 @@ def _graphs_match_eager(rank: int, world: int) -> None:
     for fmt, hook in HOOKS.items():
         runs = {}
         for graphs in (True, False):
-            state = QuantizedState(
-                None, error_feedback=True, block_size=BLOCK, cuda_graphs=graphs, bf16_if_faster=False
-            )
+            state = QuantizedState(None, error_feedback=True, block_size=BLOCK, cuda_graphs=graphs)
             model = seeded_mlp(64, 256, 256, 256, 8, device=device)
             run = DDPRun(model, hook, state, batches.__getitem__, device_ids=[rank], bucket_cap_mb=0.1)
             runs[graphs] = (run, state)

@@ -3,17 +3,15 @@
 PowerSGD runs at rank 4 and starts compressing at step 2 (torch's minimum with error feedback),
 inside the warm-up. int8/fp8 are compared with DDP's built-in allreduce, with dcomm's bf16 hook
 and, int8, with torch's nearest hook (``quantization_pertensor_hook``: uint8 codes, each rank's
-whole bucket all-gathered), and report the bytes each rank sent and the wire they chose
-(``bf16_if_faster``: bf16 where it is faster); ``dcomm int8 codes`` keeps the codes whatever the
-link (``bf16_if_faster=False``), and ``dcomm int8 eager`` also runs its kernels one by one
-(``cuda_graphs=False``), against which the graph replays are timed. ``no communication`` hands
+whole bucket all-gathered), and report the bytes each rank sent; ``dcomm int8 eager`` runs its
+kernels one by one (``cuda_graphs=False``), against which the graph replays are timed. ``no communication`` hands
 every bucket back unaveraged: the floor under any compression's step.
 
 Example::
 
     >>> case = compression_case(ctx)  # doctest: +SKIP
     >>> sorted(case.variants)  # doctest: +SKIP
-    ['builtin', 'dcomm bf16', 'dcomm fp8', 'dcomm int8', 'dcomm int8 codes', 'dcomm int8 eager', ...]
+    ['builtin', 'dcomm bf16', 'dcomm fp8', 'dcomm int8', 'dcomm int8 eager', ...]
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from dcomm.core import completed_future
-from dcomm.ddp._wire_choice import CALIBRATION_STEPS, SETTLE_PASSES
 from tools.bench.ab import Case, Pair, Variant
 from tools.bench.cases.common import Context, add_versions, sgd_variant
 from tools.bench.cases.ddp import build_ddp
@@ -31,8 +28,9 @@ __all__ = ["POWERSGD_RANK", "compression_case"]
 
 POWERSGD_RANK = 4
 START_POWERSGD_ITER = 2
-# Past the int8/fp8 hooks' choice of wire (settling, then four timed blocks) and two steps more.
-WARMUP_STEPS = SETTLE_PASSES + 4 * (CALIBRATION_STEPS + 2) + 2
+# Past DDP's bucket rebuild (after step 1) and the int8/fp8 CUDA-graph captures (each bucket's at
+# its third call after that), and two steps more.
+WARMUP_STEPS = 6
 
 
 def build_powersgd(ctx: Context, impl: str) -> Variant:
@@ -50,15 +48,15 @@ def build_powersgd(ctx: Context, impl: str) -> Variant:
     return sgd_variant(ctx, ddp)
 
 
-def build_quantized(ctx: Context, fmt: str, cuda_graphs: bool = True, bf16_if_faster: bool = True) -> Variant:
-    """DDP + dcomm's int8/fp8 hook with error feedback; reports the bytes this rank sent and its wire."""
+def build_quantized(ctx: Context, fmt: str, cuda_graphs: bool = True) -> Variant:
+    """DDP + dcomm's int8/fp8 hook with error feedback; reports the bytes this rank sent."""
     from dcomm.ddp import QuantizedState, fp8_compress_hook, int8_compress_hook
 
     ddp = ctx.ddp(ctx.model())
-    state = QuantizedState(None, error_feedback=True, cuda_graphs=cuda_graphs, bf16_if_faster=bf16_if_faster)
+    state = QuantizedState(None, error_feedback=True, cuda_graphs=cuda_graphs)
     ddp.register_comm_hook(state, int8_compress_hook if fmt == "int8" else fp8_compress_hook)
     variant = sgd_variant(ctx, ddp)
-    return Variant(variant.step, details=lambda: {"bytes sent": state.bytes_sent, "wire": state.wire or fmt})
+    return Variant(variant.step, details=lambda: {"bytes sent": state.bytes_sent})
 
 
 def build_torch_uint8(ctx: Context) -> Variant:
@@ -92,8 +90,7 @@ def compression_case(ctx: Context) -> Case:
         "dcomm bf16": lambda: build_ddp(ctx, ("dcomm", "bf16")),
         "dcomm int8": lambda: build_quantized(ctx, "int8"),
         "dcomm fp8": lambda: build_quantized(ctx, "fp8"),
-        "dcomm int8 codes": lambda: build_quantized(ctx, "int8", bf16_if_faster=False),
-        "dcomm int8 eager": lambda: build_quantized(ctx, "int8", cuda_graphs=False, bf16_if_faster=False),
+        "dcomm int8 eager": lambda: build_quantized(ctx, "int8", cuda_graphs=False),
         "torch uint8": lambda: build_torch_uint8(ctx),
         "no communication": lambda: build_no_communication(ctx),
     }
@@ -101,16 +98,14 @@ def compression_case(ctx: Context) -> Case:
     for fmt in ("int8", "fp8"):
         pairs.append(Pair(f"compression/{fmt}", f"dcomm {fmt}", "builtin", "dcomm/reference"))
         pairs.append(Pair(f"compression/{fmt} vs bf16", f"dcomm {fmt}", "dcomm bf16", "dcomm/reference"))
-    pairs.append(Pair("compression/int8 codes vs bf16", "dcomm int8 codes", "dcomm bf16", "dcomm/reference"))
     # torch's nearest hook: per-tensor uint8 codes, every rank's whole bucket all-gathered.
     pairs.append(Pair("compression/int8 vs torch uint8", "dcomm int8", "torch uint8", "dcomm/torch"))
     # The floor: the step with nothing sent, against the built-in (no compression can go below it).
     pairs.append(Pair("compression/floor", "no communication", "builtin", "dcomm/reference"))
     # The CUDA-graph replays against the same hook running its kernels one by one (the same path on gloo).
-    pairs.append(Pair("compression/int8 graphs", "dcomm int8 codes", "dcomm int8 eager", "dcomm/reference"))
+    pairs.append(Pair("compression/int8 graphs", "dcomm int8", "dcomm int8 eager", "dcomm/reference"))
     # Warm-up past PowerSGD's start, the int8/fp8 CUDA-graph captures (DDP rebuilds its buckets
-    # after the first step; each bucket is captured at its third call) and the hooks' choice of
-    # wire, so no timed round pays them.
+    # after the first step; each bucket is captured at its third call), so no timed round pays them.
     case = Case("compression", variants, pairs, warmup_steps=max(START_POWERSGD_ITER + 1, WARMUP_STEPS))
     add_versions(case, "compression/powersgd", "powersgd", lambda impl: build_powersgd(ctx, impl), "builtin")
     return case

@@ -3,10 +3,10 @@
 ``python floor`` is a reference for what DDP's call of *any* Python hook costs: the least a hook
 can do (one allreduce of the bucket with the averaging arithmetic, waited for at the last
 bucket, a completed future). dcomm's ``allreduce_hook`` is compared with it, so the share of its
-distance to the built-in that belongs to DDP's Python hook mechanism is visible. dcomm's hooks run
-in C++ on the reducer (``dcomm.ddp.native_hooks``); each ``dcomm <hook> python`` variant registers
-the same hook with ``DCOMM_NATIVE_HOOKS=0``, so the rows ``ddp/<hook> C++ vs python`` show what the
-C++ path saves.
+distance to the built-in that belongs to DDP's Python hook mechanism is visible. dcomm's hooks are
+registered in C++ on the reducer (``dcomm.ddp.register_comm_hook(..., native=True)``); each
+``dcomm <hook> python`` variant registers the same hook with ``native=False``, so the rows
+``ddp/<hook> C++ vs python`` show what the C++ path saves.
 
 Example::
 
@@ -18,7 +18,6 @@ Example::
 # No ``from __future__ import annotations``: DDP checks a hook's annotations against the real
 # ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` objects, not strings.
 
-import contextlib
 from typing import Any
 
 import torch
@@ -36,36 +35,32 @@ __all__ = [
     "build_python_floor",
     "ddp_case",
     "python_floor_hook",
-    "python_hooks",
+    "register_hook",
 ]
 
 DDP_HOOKS = {"allreduce": "allreduce_hook", "fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook"}
 
 
-def python_hooks() -> contextlib.AbstractContextManager[None]:
-    """Register dcomm's averaging hooks as Python hooks (``DCOMM_NATIVE_HOOKS=0``) inside."""
-    from dcomm.ddp.native_hooks import switched
+def register_hook(ddp: Any, state: object, hook: Any, impl: str, python: bool = False) -> None:
+    """Register ``hook`` from ``impl``: dcomm's in C++ on the reducer (``python``: as a Python hook), torch's as is."""
+    if impl == "dcomm":
+        from dcomm.ddp import register_comm_hook
 
-    return switched(False)
+        register_comm_hook(ddp, state, hook, native=not python)
+    else:
+        ddp.register_comm_hook(state, hook)
 
 
-def build_ddp(
-    ctx: Context, hook: tuple[str, str] | None, python: bool = False, views: bool = False, aside: bool = True
-) -> Variant:
+def build_ddp(ctx: Context, hook: tuple[str, str] | None, python: bool = False, views: bool = False) -> Variant:
     """A DDP training step (SGD) with ``hook = (impl, row name)``, or DDP's built-in allreduce.
 
     ``python``: register dcomm's hook as a Python hook rather than C++ on the reducer. ``views``:
-    DDP with ``gradient_as_bucket_view=True``; ``aside=False``: dcomm's C++ compress hooks keep
-    their casts on the backward stream there (``DCOMM_CAST_ASIDE=0``).
+    DDP with ``gradient_as_bucket_view=True`` (dcomm's C++ compress hooks cast on a side stream there).
     """
-    from dcomm.core.environment import variable_set
-    from dcomm.ddp.native_hooks import CAST_ASIDE_SWITCH
-
     ddp = ctx.ddp(ctx.model(), gradient_as_bucket_view=views)
     if hook is not None:
         impl, name = hook
-        with python_hooks() if python else contextlib.nullcontext(), variable_set(CAST_ASIDE_SWITCH, str(int(aside))):
-            ddp.register_comm_hook(None, resolve(impl, DDP_HOOKS[name]))
+        register_hook(ddp, None, resolve(impl, DDP_HOOKS[name]), impl, python)
     return sgd_variant(ctx, ddp)
 
 
@@ -111,9 +106,6 @@ def ddp_case(ctx: Context) -> Case:
     case.variants["builtin views"] = lambda: build_ddp(ctx, None, views=True)
     views = lambda impl: build_ddp(ctx, (impl, "fp16"), views=True)  # noqa: E731
     add_versions(case, "ddp/fp16 grad views", "fp16 views", views, "builtin views")
-    case.variants["dcomm fp16 views same stream"] = lambda: build_ddp(ctx, ("dcomm", "fp16"), views=True, aside=False)
-    pair = Pair("ddp/fp16 grad views cast aside", "dcomm fp16 views", "dcomm fp16 views same stream", "dcomm/reference")
-    case.pairs.append(pair)
     for name in DDP_HOOKS:
         python = f"dcomm {name} python"
         case.variants[python] = lambda name=name: build_ddp(ctx, ("dcomm", name), python=True)

@@ -4,9 +4,9 @@
 elements each and time only the calls (the collectives they start are waited for afterwards,
 outside the timing): seconds per call, the cost DDP pays on its backward thread per bucket.
 ``step`` variants train a model of many tiny layers with DDP cut into one bucket per parameter,
-so a step's time is dominated by per-bucket work. Both are independent of the workload. Called
-from Python, dcomm's compress hooks keep torch's contract (the bucket cast back in place); only
-DDP's reducer gets the low-precision sum, so the ``step`` rows show that path.
+so a step's time is dominated by per-bucket work. Both are independent of the workload. dcomm's
+hooks keep torch's contract whoever calls them; the ``step`` rows register them in C++ on DDP's
+reducer (``dcomm.ddp.register_comm_hook(..., native=True)``).
 
 Example::
 
@@ -24,7 +24,7 @@ from torch import nn
 
 from tools.bench.ab import Case, Variant
 from tools.bench.cases.common import LR, Context, add_versions
-from tools.bench.cases.ddp import DDP_HOOKS
+from tools.bench.cases.ddp import DDP_HOOKS, register_hook
 from tools.impls import resolve
 
 __all__ = ["BUCKETS", "BUCKET_NUMEL", "SyntheticBucket", "hook_latency_case"]
@@ -87,7 +87,7 @@ def build_many_bucket_ddp(ctx: Context, hook: tuple[str, str] | None) -> Variant
     ddp = ctx.ddp(model, bucket_cap_mb=1e-6)
     if hook is not None:
         impl, name = hook
-        ddp.register_comm_hook(None, resolve(impl, DDP_HOOKS[name]))
+        register_hook(ddp, None, resolve(impl, DDP_HOOKS[name]), impl)
     batch = torch.randn(8, 32, generator=torch.Generator().manual_seed(ctx.bench.rank)).to(ctx.device)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
 

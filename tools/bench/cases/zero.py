@@ -12,9 +12,10 @@ and their ``+rs``, ``+gf`` and ``+rs+gf`` forms force one. A ``reduce_scatter`` 
 ``... fused-adam`` variants use Adam with ``fused=True`` on both sides (rows ``zero/step
 fused-adam`` against ``no overlap fused-adam``); ``dcomm step foreach-adam`` (and ``+rs``) choose
 ``foreach=True``, which keeps dcomm's local step off the fused kernel it uses by default on CUDA
-(rows ``zero/step fused local step``: the default against it). ``dcomm step python`` is ``dcomm step`` kept a
-Python hook (``DCOMM_NATIVE_HOOKS=0``): the row ``zero/step C++ vs python`` shows what averaging
-the buckets in C++ on DDP's reducer saves; ``dcomm step+rs python`` and its row the same for the
+(rows ``zero/step fused local step``: the default against it). dcomm's hooks are registered with
+``dcomm.ddp.register_comm_hook(..., native=True)``; ``dcomm step python`` is ``dcomm step`` kept a
+Python hook (``native=False``): the row ``zero/step C++ vs python`` shows what averaging the
+buckets in C++ on DDP's reducer saves; ``dcomm step+rs python`` and its row the same for the
 reduce-scatters of ``reduce_scatter=True``.
 
 Example::
@@ -26,7 +27,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 
@@ -34,7 +34,7 @@ import torch
 
 from tools.bench.ab import Case, Pair, Variant
 from tools.bench.cases.common import LR, Context, add_versions, train_step
-from tools.bench.cases.ddp import python_hooks
+from tools.bench.cases.ddp import register_hook
 from tools.impls import resolve
 
 __all__ = ["ZERO_HOOKS", "build_zero", "zero_case"]
@@ -83,8 +83,7 @@ def build_zero(
     if gather_during_forward:
         extra["gather_during_forward"] = True
     hook = wrapper(resolve(impl, "allreduce_hook"), ddp, zero, **extra)
-    with python_hooks() if python else contextlib.nullcontext():
-        ddp.register_comm_hook(None, hook)
+    register_hook(ddp, None, hook, impl, python)
     if impl != "dcomm":
         return Variant(train_step(ctx, ddp, None))
     from dcomm.ddp import fallback_count, step_mode_of
@@ -132,7 +131,7 @@ def zero_case(ctx: Context) -> Case:
         case.variants[variant] = functools.partial(build_zero, ctx, ("dcomm", "step"), rs, foreach_adam=True)
         pair = Pair(f"zero/{name} fused local step", f"dcomm {name}", variant, "dcomm/reference")
         case.pairs.append(pair)
-    # And each step path kept a Python hook (DCOMM_NATIVE_HOOKS=0).
+    # And each step path kept a Python hook (native=False).
     for rs in (False, True):
         name = f"step{'+rs' if rs else ''}"
         fused = functools.partial(build_zero, ctx, ("dcomm", "step"), rs, fused_adam=True)

@@ -2,20 +2,23 @@
 
 ``from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook``
 becomes ``from dcomm.ddp import fp16_compress_hook``; the names, signatures and results are
-torch's, the hooks are cheaper, and post-local SGD can be checkpointed.
+torch's, and post-local SGD can be checkpointed. Importing it changes nothing in torch.
+:func:`register_comm_hook` is the explicit C++ fast path for the averaging and ZeRO overlap hooks.
 
 Example::
 
     >>> from dcomm.ddp import PostLocalSGDState, post_localSGD_hook
     >>> state = PostLocalSGDState(None, None, start_localSGD_iter=100)  # doctest: +SKIP
     >>> ddp_model.register_comm_hook(state, post_localSGD_hook)  # doctest: +SKIP
+    >>> import dcomm.ddp
+    >>> dcomm.ddp.register_comm_hook(other_model, None, dcomm.ddp.bf16_compress_hook)  # doctest: +SKIP
+    'native'
 """
 
 from dcomm.ddp.__about__ import __version__
 from dcomm.ddp.compress_wrappers import bf16_compress_wrapper, fp16_compress_wrapper
 from dcomm.ddp.default_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
-from dcomm.ddp.native_hooks import install as _install_native_hooks
-from dcomm.ddp.native_hooks import native_hooks_available
+from dcomm.ddp.native_hooks import native_hooks_available, register_comm_hook
 from dcomm.ddp.post_local_sgd import PostLocalSGDState, post_localSGD_hook
 from dcomm.ddp.powersgd import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 from dcomm.ddp.quantized_hooks import (
@@ -39,6 +42,7 @@ __all__ = [
     "fp16_compress_hook",
     "bf16_compress_hook",
     # native_hooks
+    "register_comm_hook",
     "native_hooks_available",
     # compress_wrappers
     "fp16_compress_wrapper",
@@ -62,5 +66,3 @@ __all__ = [
     "step_mode_of",
     "wait_for_parameters",
 ]
-
-_install_native_hooks()  # dcomm's averaging hooks run in C++ on DDP's reducer (native_hooks)

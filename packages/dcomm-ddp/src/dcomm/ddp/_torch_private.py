@@ -32,7 +32,7 @@ from dcomm.core.torch_private import private_member
 
 _ZERO = "the ZeroRedundancyOptimizer internals that ZeRO overlap drives"
 _DDP = "the DDP bucketing that ZeRO overlap predicts"
-_HOOKS = "the registration of DDP comm hooks that dcomm.ddp.native_hooks wraps"
+_HOOKS = "the registration of DDP comm hooks in C++ (dcomm.ddp.register_comm_hook)"
 _ENGINE = "the autograd engine's end-of-backward callbacks that ZeRO overlap waits from"
 
 
@@ -162,20 +162,20 @@ def autograd_engine() -> Any:
 # -- comm hook registration (dcomm.ddp.native_hooks) ----------------------------------------------
 
 
-def register_comm_hook_binding() -> Callable[..., None]:
-    """torch's own ``_register_comm_hook(reducer, state, hook)``, from the C++ module that defines it."""
-    return _read(torch._C._distributed_c10d, "_register_comm_hook", _HOOKS)
+def reducer(ddp: DistributedDataParallel) -> Any:
+    """DDP's C++ reducer, on which :func:`dcomm.ddp.register_comm_hook` puts a C++ hook."""
+    return _read(ddp, "reducer", _HOOKS)
 
 
-def registered_comm_hook_function() -> Callable[..., None]:
-    """What ``DistributedDataParallel.register_comm_hook`` calls: ``torch.distributed._register_comm_hook``."""
-    return _read(dist, "_register_comm_hook", _HOOKS)
+def check_comm_hook(ddp: DistributedDataParallel, hook: Callable[..., Any]) -> None:
+    """DDP's own checks of a hook (callable, annotations), as ``register_comm_hook`` runs them."""
+    _read(ddp, "_check_comm_hook", _HOOKS)(hook)
 
 
-def replace_registered_comm_hook_function(function: Callable[..., None]) -> None:
-    """Make ``DistributedDataParallel.register_comm_hook`` end with ``function(reducer, state, hook)``."""
-    registered_comm_hook_function()  # fails loudly if torch no longer has it
-    dist._register_comm_hook = function
+def record_comm_hook(ddp: DistributedDataParallel, state: object, hook: Callable[..., Any]) -> None:
+    """What ``register_comm_hook`` records besides the reducer's hook: the logged name and ``_comm_hooks``."""
+    _read(_read(ddp, "logger", _HOOKS), "_set_comm_hook_name", _HOOKS)(getattr(hook, "__qualname__", repr(hook)))
+    _read(ddp, "_comm_hooks", _HOOKS).append((hook, state))
 
 
 def missing_members(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer) -> list[str]:
@@ -200,8 +200,10 @@ def missing_members(ddp: DistributedDataParallel, zero: ZeroRedundancyOptimizer)
         lambda: has_rebuilt_buckets(ddp),
         lambda: bucket_caps(ddp),
         lambda: _read(dist, "_compute_bucket_assignment_by_size", _DDP),
-        register_comm_hook_binding,
-        registered_comm_hook_function,
+        lambda: reducer(ddp),
+        lambda: _read(ddp, "_check_comm_hook", _HOOKS),
+        lambda: _read(_read(ddp, "logger", _HOOKS), "_set_comm_hook_name", _HOOKS),
+        lambda: _read(ddp, "_comm_hooks", _HOOKS),
         autograd_engine,
     ]
     missing = []

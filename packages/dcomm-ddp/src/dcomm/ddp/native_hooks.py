@@ -1,70 +1,56 @@
-"""DDP's reducer runs dcomm's averaging hooks in C++, as it runs its own built-in allreduce.
+"""The C++ fast path: dcomm's averaging hooks run in C++ on DDP's reducer, by one explicit call.
 
 DDP calls a Python comm hook once per bucket on the autograd thread, and that call (taking the
-GIL, wrapping the bucket, unwrapping the returned future) costs 50-85 us per bucket: on a
-backward pass paced by its host, time the GPU waits. torch's built-in hooks avoid it, but
-``register_comm_hook`` accepts only Python callables. So importing :mod:`dcomm.ddp` wraps
-``torch.distributed._register_comm_hook``, the call that ``DistributedDataParallel.register_comm_hook``
-ends with: registering dcomm's :func:`~dcomm.ddp.allreduce_hook`,
-:func:`~dcomm.ddp.fp16_compress_hook` or :func:`~dcomm.ddp.bf16_compress_hook` puts a C++ hook with
-the same arithmetic on the reducer (bit-identical gradients); any other hook is registered as
-before. DDP's checks, its logged hook name and ``ddp._comm_hooks`` are unchanged. A bucket of
-sparse gradients is passed to the Python hook (DDP buckets complex gradients as their real view).
-ZeRO overlap hooks (:mod:`dcomm.ddp.zero_overlap`) get a C++ hook too, switched on by their
-driver once DDP has settled its buckets: it allreduces every bucket (or, with
-``reduce_scatter=True``, reduce-scatters every shard) and calls the driver once, at the last bucket.
+GIL, wrapping the bucket, unwrapping the returned future) costs host time per bucket; torch's
+built-in hooks avoid it, but ``DistributedDataParallel.register_comm_hook`` takes only Python
+callables. :func:`register_comm_hook` puts a C++ hook with the Python hook's arithmetic on the
+reducer for :func:`~dcomm.ddp.allreduce_hook`, :func:`~dcomm.ddp.fp16_compress_hook` and
+:func:`~dcomm.ddp.bf16_compress_hook` (bit-identical gradients), and for the ZeRO overlap hooks
+(:mod:`dcomm.ddp.zero_overlap`: every bucket communicated in C++, one Python call per backward
+pass once DDP has settled its buckets). Any other hook is registered as the Python hook it is.
+With ``gradient_as_bucket_view=True`` on CUDA, the C++ compress hooks cast, send and cast back
+on a side stream, so the backward stream does no more work than with DDP's built-in allreduce.
 
-With ``gradient_as_bucket_view=True`` on CUDA, ``fp16_compress_hook`` and ``bf16_compress_hook``
-cast each bucket, send it and cast the sum back into DDP's bucket on a side stream, so the
-backward stream does no more work than with DDP's built-in allreduce (1x H200: 0.97-0.98x the
-step with the casts on the backward stream with TF32); ``DCOMM_CAST_ASIDE=0`` keeps them there.
-Without it DDP converts the low-precision sum into ``.grad`` itself (one copy fewer).
-
-The C++ hook is compiled on first use by torch's extension builder (about 40 s on 2 cores, then
-cached in ``TORCH_EXTENSIONS_DIR``, one build per torch installation and Python version; a lock left by a build
-that was killed is removed after 3 minutes without progress instead of hanging every later run).
-It needs a C++ compiler and ninja (a dependency of dcomm-ddp); where it cannot be built, a warning
-says why, once, and the Python hooks run. Set ``DCOMM_NATIVE_HOOKS=0`` to keep the Python hooks.
+Every rank of the DDP model's group takes the same path: the ranks agree in one collective at
+registration, and rank 0 logs the choice. The C++ hooks are compiled once per torch installation
+and Python version (:mod:`dcomm.core.native_build`); ``python -m dcomm.ddp.build`` does it ahead
+of time (:mod:`dcomm.ddp.build`). A build needs a C++ compiler, Python's headers and ninja
+(``pip install dcomm-ddp[native]``).
 
 Example::
 
-    >>> from dcomm.ddp import bf16_compress_hook, native_hooks_available
-    >>> ddp_model.register_comm_hook(None, bf16_compress_hook)  # the reducer runs it in C++  # doctest: +SKIP
-    >>> native_hooks_available()  # doctest: +SKIP
-    True
+    >>> import dcomm.ddp
+    >>> dcomm.ddp.register_comm_hook(ddp_model, None, dcomm.ddp.bf16_compress_hook)  # doctest: +SKIP
+    'native'
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 import dcomm.ddp._torch_private as private
-from dcomm.core import native_build, resolve_group
-from dcomm.core.environment import switched_on, variable_set
-from dcomm.ddp.default_hooks import (
-    _cached_plan,
-    _in_place_plan,
-    allreduce_hook,
-    bf16_compress_hook,
-    fp16_compress_hook,
-)
+from dcomm.core import get_logger, plan_average, resolve_group
+from dcomm.core.native_build import NativeBuildError, built_file, load
+from dcomm.ddp.default_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 
-__all__ = ["native_hooks_available"]
+__all__ = ["NativeBuildError", "load_native_hooks", "native_hooks_available", "register_comm_hook"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
-ENV_SWITCH = "DCOMM_NATIVE_HOOKS"
-CAST_ASIDE_SWITCH = "DCOMM_CAST_ASIDE"
-_SOURCE = Path(__file__).with_name("csrc") / "average_hook.cpp"
+SOURCE = Path(__file__).with_name("csrc") / "average_hook.cpp"
+PREBUILD = "python -m dcomm.ddp.build"
+_PREFIX = "dcomm_ddp_native"
+_WHAT = "the C++ DDP hooks"
+_TURN_OFF = "or pass native=False to register the Python hook"
 
 # The hooks that have a C++ twin, and the dtype each sends in (None: the bucket's own).
 _WIRE_DTYPE: dict[Callable[..., Any], torch.dtype | None] = {
@@ -73,109 +59,164 @@ _WIRE_DTYPE: dict[Callable[..., Any], torch.dtype | None] = {
     bf16_compress_hook: torch.bfloat16,
 }
 
+# This process's outcome of loading the C++ hooks: the module, or why it cannot be had.
+_LOADED: list[ModuleType | NativeBuildError] = []
+_WARNED: set[str] = set()
+
+
+def load_native_hooks() -> ModuleType:
+    """The C++ hooks' module: imported from the cache, else built now (about 40 s), once per process.
+
+    Returns:
+        The module.
+
+    Raises:
+        NativeBuildError: (a ``RuntimeError``) it cannot be built here; the message names the
+            cause (no C++ compiler, no Python headers, an unwritable cache, no ninja, a failed
+            compilation) and its fix.
+
+    Example::
+
+        >>> load_native_hooks().register_average_hook  # doctest: +SKIP
+        <built-in method register_average_hook ...>
+    """
+    if not _LOADED:
+        try:
+            _LOADED.append(load(SOURCE, _PREFIX, _WHAT, prebuild=PREBUILD, ninja_fix="pip install dcomm-ddp[native]"))
+        except NativeBuildError as error:
+            _LOADED.append(error)
+    outcome = _LOADED[0]
+    if isinstance(outcome, NativeBuildError):
+        raise outcome
+    return outcome
+
 
 def native_hooks_available() -> bool:
-    """Whether registering dcomm's averaging hooks gives DDP's reducer a C++ hook.
-
-    False when ``DCOMM_NATIVE_HOOKS=0`` or when the C++ hook cannot be built here (a warning
-    said why). The first call builds it, or loads it from torch's extension cache.
+    """Whether this process can use the C++ hooks (builds them on the first call where needed).
 
     Example::
 
         >>> native_hooks_available()  # doctest: +SKIP
         True
     """
-    return _enabled() and _extension() is not None
+    try:
+        load_native_hooks()
+    except NativeBuildError:
+        return False
+    return True
 
 
-def _enabled() -> bool:
-    return switched_on(ENV_SWITCH)
+def native_hooks_file() -> Path:
+    """Where the C++ hooks are (or will be) cached: one file per torch installation and Python version."""
+    return built_file(_PREFIX, SOURCE)
 
 
-def _cast_aside() -> bool:
-    return switched_on(CAST_ASIDE_SWITCH)
+def register_comm_hook(
+    ddp_model: DistributedDataParallel,
+    state: object,
+    hook: Callable[..., Any],
+    *,
+    native: bool | None = None,
+    _load: Callable[[], ModuleType] = load_native_hooks,
+) -> str:
+    """Register ``hook`` on ``ddp_model``: as a C++ hook where every rank has one, else the Python hook.
 
+    ``ddp_model.register_comm_hook(state, hook)`` with the C++ fast path: for dcomm's
+    ``allreduce_hook``, ``fp16_compress_hook`` and ``bf16_compress_hook`` (with a ProcessGroup or
+    None as the state) and the ZeRO overlap hooks, DDP's reducer runs a C++ hook with the same
+    arithmetic (bit-identical gradients) instead of calling Python per bucket. Any other hook
+    (PowerSGD, post-local SGD, your own) is registered as the Python hook, returning "python".
+    The ranks of ``ddp_model``'s process group agree in one collective, so every rank takes the
+    same path; rank 0 logs it. Call it on every rank, before the first backward, instead of
+    ``ddp_model.register_comm_hook``.
 
-@contextlib.contextmanager
-def switched(on: bool) -> Iterator[None]:
-    """Inside the block, registering dcomm's averaging hooks gives C++ hooks (``on``) or Python hooks.
+    Args:
+        ddp_model: the ``DistributedDataParallel`` model.
+        state: the hook's state, as for ``ddp_model.register_comm_hook``.
+        hook: the comm hook.
+        native: None (the default): the C++ hook where every rank can build or load it, else the
+            Python hook on every rank (a warning names the cause once). False: the Python hook.
+            True: the C++ hook, or a ``RuntimeError`` on every rank if some rank cannot.
 
-    Sets ``DCOMM_NATIVE_HOOKS`` and restores it after; for side-by-side runs of the two paths.
+    Returns:
+        ``"native"`` or ``"python"``: the path taken, the same on every rank.
+
+    Raises:
+        TypeError: ``ddp_model`` is not a DistributedDataParallel, or ``native`` not a bool or None.
+        RuntimeError: ``native=True`` and some rank cannot use the C++ hooks (the message names
+            the cause and its fix), or a hook was registered on ``ddp_model`` already.
 
     Example::
 
-        >>> with switched(False):  # doctest: +SKIP
-        ...     ddp_model.register_comm_hook(None, bf16_compress_hook)  # a Python hook
+        >>> import dcomm.ddp
+        >>> dcomm.ddp.register_comm_hook(ddp_model, None, dcomm.ddp.fp16_compress_hook)  # doctest: +SKIP
+        'native'
+        >>> dcomm.ddp.register_comm_hook(ddp_model, state, dcomm.ddp.powerSGD_hook)  # doctest: +SKIP
+        'python'
     """
-    with variable_set(ENV_SWITCH, "1" if on else "0"):
-        yield
-
-
-STALE_BUILD_S = native_build.STALE_BUILD_S
-"""A build lock whose directory has not changed for this long was left by a killed build (read at each build)."""
-
-_PREFIX = "dcomm_ddp_native"
-_WHAT = "the C++ DDP hooks"
-
-
-def build_name() -> str:
-    """The C++ module's name, which is also its build directory's (:func:`dcomm.core.native_build.build_name`)."""
-    return native_build.build_name(_PREFIX, _SOURCE)
-
-
-@functools.cache
-def _extension() -> Any | None:
-    """The compiled C++ hook module, built on first use; None (with one warning) if it cannot be."""
-    try:
-        return native_build.load(_SOURCE, _PREFIX, _WHAT, stale_after_s=STALE_BUILD_S)
-    except Exception as error:  # any build or load failure leaves the Python hooks, which are correct
-        warnings.warn(
-            f"dcomm.ddp: {_WHAT} could not be built ({type(error).__name__}: {error}); DDP runs "
-            f"dcomm's Python hooks instead (same results, more host time per bucket). Install a C++ "
-            f"compiler and ninja, or set {ENV_SWITCH}=0 to silence this",
-            RuntimeWarning,
-            stacklevel=2,
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(
+            f"ddp_model: expected a torch.nn.parallel.DistributedDataParallel, got {type(ddp_model).__name__}; "
+            "wrap the model first: DistributedDataParallel(model)"
         )
-        return None
+    if native is not None and not isinstance(native, bool):
+        raise TypeError(
+            f"native: expected True, False or None, got {native!r}; pass None (C++ where every rank can), "
+            "False (Python) or True (C++ or an error)"
+        )
+    name = getattr(hook, "__qualname__", type(hook).__name__)
+    if native is False or not _has_cpp_twin(hook, state):
+        ddp_model.register_comm_hook(state, hook)
+        logger.info("dcomm.ddp: %s registered as a Python hook", name)
+        return "python"
+    extension: ModuleType | None = None
+    cause: NativeBuildError | None = None
+    try:
+        extension = _load()
+    except NativeBuildError as error:
+        cause = error
+    group = ddp_model.process_group
+    unable = _ranks_unable(group, _device_of(ddp_model), extension is not None)
+    if unable:
+        if native is True:
+            raise RuntimeError(_refusal(unable, cause))
+        _warn_once(unable, cause)
+        ddp_model.register_comm_hook(state, hook)
+        logger.info("dcomm.ddp: %s registered as a Python hook on every rank (rank(s) %s cannot use C++)", name, unable)
+        return "python"
+    assert extension is not None
+    _register_in_cpp(ddp_model, state, hook, extension)
+    logger.info("dcomm.ddp: %s registered as a C++ hook on every rank (DDP's reducer runs it)", name)
+    return "native"
 
 
-def clear_stale_lock(build_directory: Path, stale_after_s: float | None = None, **kwargs: Any) -> None:
-    """:func:`dcomm.core.native_build.clear_stale_lock` for the C++ DDP hooks' build directory."""
-    native_build.clear_stale_lock(build_directory, stale_after_s, what=_WHAT, **kwargs)
+def _has_cpp_twin(hook: Callable[..., Any], state: object) -> bool:
+    """Whether a C++ hook can stand for ``hook`` (with this ``state``)."""
+    if _zero_driver(hook) is not None:
+        return True
+    try:
+        averaging = hook in _WIRE_DTYPE
+    except TypeError:  # an unhashable callable
+        return False
+    # Another state goes to the Python hook, which raises on it with torch's message.
+    return averaging and (state is None or isinstance(state, dist.ProcessGroup))
 
 
-def _planner(group: dist.ProcessGroup, wire: torch.dtype | None) -> Callable[..., tuple[float, Any, Any]]:
-    """For the C++ hook, once per bucket dtype and device: (divisor before the sum, op, dtype sent).
-
-    The plans are the Python hooks' own, so the two paths do the same arithmetic.
-    """
-
-    def plan_for(dtype: torch.dtype, device: torch.device) -> tuple[float, Any, torch.dtype | None]:
-        if wire is None or dtype == wire:
-            plan = _in_place_plan(group, dtype, device)
-            sent = None
-        else:
-            plan = _cached_plan(group, dtype, device)
-            sent = wire
-        if plan.post != 1.0:
-            raise AssertionError(f"the hooks divide before the sum only, got post={plan.post}")
-        return plan.pre, plan.op, sent
-
-    return plan_for
-
-
-def _as_python_caller(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook`` called from a Python frame, so that its future follows torch's contract.
-
-    Called straight from the reducer, dcomm's hooks return futures that complete at once and wait
-    for every bucket's collective at the last bucket; a bucket the C++ hook passes on must have a
-    future of its own instead.
-    """
-
-    def python_caller(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        return hook(state, bucket)
-
-    return python_caller
+def _register_in_cpp(
+    ddp_model: DistributedDataParallel, state: object, hook: Callable[..., Any], extension: ModuleType
+) -> None:
+    """What ``ddp_model.register_comm_hook`` does, with a C++ hook on the reducer."""
+    private.check_comm_hook(ddp_model, hook)
+    reducer = private.reducer(ddp_model)
+    driver = _zero_driver(hook)
+    if driver is not None:
+        # Registered switched off: it runs the Python hook until the driver switches it on.
+        driver.native_switch = driver.register_in_cpp(extension, reducer, state, hook)
+    else:
+        group = resolve_group(state)  # type: ignore[arg-type]
+        # A bucket the C++ hook does not handle (sparse) goes to ``hook`` itself.
+        extension.register_average_hook(reducer, group, _planner(group, _WIRE_DTYPE[hook]), state, hook)
+    private.record_comm_hook(ddp_model, state, hook)
 
 
 def _zero_driver(hook: object) -> Any | None:
@@ -187,65 +228,65 @@ def _zero_driver(hook: object) -> Any | None:
     return driver if isinstance(driver, Driver) and driver.can_run_in_cpp() else None
 
 
-def _quantized_state(hook: Callable[..., Any], state: object) -> tuple[Any, str] | None:
-    """(state, format) of an int8/fp8 hook that may switch to bf16 (see :mod:`dcomm.ddp._wire_choice`), else None."""
-    from dcomm.ddp import quantized_hooks
+def _planner(group: dist.ProcessGroup, wire: torch.dtype | None) -> Callable[..., tuple[float, Any, Any]]:
+    """For the C++ hook, once per bucket dtype and device: (divisor before the sum, op, dtype sent)."""
 
-    fmt = quantized_hooks.HOOK_FORMATS.get(hook)
-    if fmt is None:
-        return None
-    if state is not None and not isinstance(state, quantized_hooks.QuantizedState):
-        return None  # the hook raises on it
-    resolved = quantized_hooks._resolve_state(state, hook.__name__)
-    return (resolved, fmt) if resolved.bf16_if_faster else None
+    def plan_for(dtype: torch.dtype, device: torch.device) -> tuple[float, Any, torch.dtype | None]:
+        sent = None if wire is None or dtype == wire else wire
+        plan = _plan(group, dtype, device, in_place=sent is None)
+        if plan.post != 1.0:
+            raise AssertionError(f"the hooks divide before the sum only, got post={plan.post}")
+        return plan.pre, plan.op, sent
+
+    return plan_for
 
 
-def _register_comm_hook(reducer: Any, state: object, comm_hook: Callable[..., Any]) -> None:
-    """torch's ``_register_comm_hook``, with a C++ hook on the reducer for dcomm's averaging hooks.
+@functools.lru_cache(maxsize=64)
+def _plan(group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device, in_place: bool) -> Any:
+    """torch's arithmetic: divide by the group size, then sum.
 
-    A ZeRO overlap hook gets a C++ hook that runs the Python hook until the driver switches it on,
-    then communicates every bucket itself (an allreduce, or with ``reduce_scatter=True`` the
-    reduce-scatters of the shards) and calls the driver once per backward, at the last bucket.
-    An int8/fp8 hook gets the bf16 averaging hook, switched off: it runs the Python hook until that
-    chooses bf16 (:mod:`dcomm.ddp._wire_choice`).
+    In place, on NCCL, with a world size that is a power of two, the division is NCCL's
+    ``PREMUL_SUM`` by ``1 / world``: the product is the exact quotient, so the sum is bit-identical
+    to dividing first, and the bucket is not read and written once more before the sum.
     """
-    driver = _zero_driver(comm_hook)
-    averaging = comm_hook in _WIRE_DTYPE and (state is None or isinstance(state, dist.ProcessGroup))
-    quantized = _quantized_state(comm_hook, state)
-    wanted = driver is not None or averaging or quantized is not None
-    extension = _extension() if wanted and _enabled() else None
-    if extension is None:
-        # Any other hook or state (the Python hook raises on a bad state, as torch's does).
-        _TORCH_REGISTER(reducer, state, comm_hook)
+    world = dist.get_world_size(group)
+    exact = in_place and world & (world - 1) == 0
+    return plan_average(group, dtype, device, arithmetic="predivide", nccl_average=False, nccl_premul=exact)
+
+
+def _device_of(ddp_model: DistributedDataParallel) -> torch.device:
+    """Where the agreement's tensor goes: the device of the model's parameters (their group can reduce there)."""
+    for param in ddp_model.parameters():
+        return param.device
+    return torch.device("cpu")
+
+
+def _ranks_unable(group: dist.ProcessGroup, device: torch.device, able: bool) -> list[int]:
+    """The ranks of ``group`` (global numbers) that cannot use the C++ hooks: one allreduce, every rank alike."""
+    flags = torch.zeros(group.size(), dtype=torch.int32, device=device)
+    flags[group.rank()] = 0 if able else 1
+    dist.all_reduce(flags, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    return [ranks[index] for index, flag in enumerate(flags.tolist()) if flag]
+
+
+def _refusal(unable: list[int], cause: NativeBuildError | None) -> str:
+    why = f": {cause.cause}; {cause.fix}" if cause is not None else " (their error names the cause and the fix)"
+    return (
+        f"native=True: {_WHAT} cannot be used on rank(s) {unable}{why}. Prebuild them with `{PREBUILD}` in "
+        "the image, or pass native=None to register the Python hook on every rank where some rank cannot, "
+        "native=False to always register it"
+    )
+
+
+def _warn_once(unable: list[int], cause: NativeBuildError | None) -> None:
+    """Warn with the cause, once per job: on the first rank that cannot (it alone knows why)."""
+    if cause is None or dist.get_rank() != unable[0] or cause.cause in _WARNED:
         return
-    if driver is not None:
-        driver.native_switch = driver.register_in_cpp(extension, reducer, state, comm_hook)
-        return
-    if quantized is not None:
-        from dcomm.ddp.quantized_hooks import native_pass_end
-
-        quantized_state, fmt = quantized
-        group = resolve_group(quantized_state.process_group)
-        # The Python hook itself, not a Python caller of it: while the switch is off it gets every
-        # bucket of a backward pass, so its futures may wait at the last bucket. Switched on, the
-        # C++ hook calls back at its last bucket, where the next pass's wire is chosen.
-        plan = _planner(group, torch.bfloat16)
-        switch = extension.register_average_hook(
-            reducer, group, plan, state, comm_hook, native_pass_end(quantized_state, fmt)
-        )
-        switch.set(quantized_state.wire == "bf16")
-        quantized_state._wire.switches.append(switch)
-        return
-    group = resolve_group(state)  # type: ignore[arg-type]
-    plan = _planner(group, _WIRE_DTYPE[comm_hook])
-    extension.register_average_hook(reducer, group, plan, state, _as_python_caller(comm_hook), None, _cast_aside())
-
-
-# torch's own binding, from where it is defined (``dist``'s name for it is the one wrapped).
-_TORCH_REGISTER: Callable[..., None] = private.register_comm_hook_binding()
-
-
-def install() -> None:
-    """Wrap ``torch.distributed._register_comm_hook`` (once; :mod:`dcomm.ddp` calls this on import)."""
-    if private.registered_comm_hook_function() is not _register_comm_hook:
-        private.replace_registered_comm_hook_function(_register_comm_hook)
+    _WARNED.add(cause.cause)
+    warnings.warn(
+        f"dcomm.ddp: {cause} ({_TURN_OFF}); DDP runs the Python hooks on every rank (same results, more host "
+        "time per bucket)",
+        RuntimeWarning,
+        stacklevel=3,
+    )

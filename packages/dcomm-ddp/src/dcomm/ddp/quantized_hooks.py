@@ -25,13 +25,9 @@ whose gradients overflowed (inf or NaN, as fp16 autocast with a ``GradScaler`` g
 averages to inf or NaN where it overflowed, so the scaler skips it, and leaves the error memories
 as they were there. ``state.bytes_sent`` counts the bytes this rank has sent.
 
-Where the codes do not pay (a link as fast as NVLink, where a bf16 allreduce of the bucket takes
-no longer than the two quantized shots and the quantization kernels come on top), the hook sends
-bf16 instead: once DDP has settled its buckets, it times a few backward passes of each
-(:mod:`dcomm.ddp._wire_choice`), keeps the codes only where their slowest rank is at least 2% faster, logs the choice
-once, and from then on averages as dcomm's ``bf16_compress_hook`` does (in C++ where the C++ hooks
-are built), without error memories. ``QuantizedState(..., bf16_if_faster=False)`` keeps the codes
-whatever the link; two runs then also send the same wire at every step.
+The hooks always send the codes: what travels never depends on timing. On a fast link (NVLink),
+where a bf16 allreduce of the bucket takes no longer than the two quantized shots and the
+quantization kernels come on top, register ``bf16_compress_hook`` instead.
 
 Example::
 
@@ -46,7 +42,6 @@ Example::
 
 import logging
 from collections.abc import Callable
-from types import FrameType
 from typing import Any
 
 import torch
@@ -54,12 +49,9 @@ import torch.distributed as dist
 
 from dcomm.core import QuantizedAverage, completed_future, quantized_average_bytes, reduced_by_nccl, resolve_group
 from dcomm.core.captured_average import CapturedAverages, StreamWork
-from dcomm.core.validation import boolean, even_int, non_negative_int, one_of
-from dcomm.ddp._backward_works import defer_to_last_bucket, wait_deferred
+from dcomm.core.validation import boolean, even_int, non_negative_int
 from dcomm.ddp._hook_state import ResumableHookState
 from dcomm.ddp._ordered_chain import drains_here
-from dcomm.ddp._wire_choice import WIRES, WireChoice
-from dcomm.ddp.default_hooks import _called_by_reducer, _caller_of_hook, _compressed_average
 
 __all__ = ["QuantizedState", "fp8_compress_hook", "int8_compress_hook", "quantized_allreduce_bytes"]
 
@@ -91,14 +83,10 @@ class QuantizedState(ResumableHookState):
         cuda_graphs: on NCCL, replay each settled bucket's average as one CUDA graph (keyword-only;
             the results are the same bit for bit). Pass False to profile or debug the kernels
             one by one, or where another tool captures the backward pass itself.
-        bf16_if_faster: once DDP has settled its buckets, time a few backward passes with the
-            quantized codes and with bf16, and send bf16 from then on where it is faster (keyword-only;
-            see the module's docstring). ``wire`` says what was chosen.
 
-    ``bytes_sent`` counts the bytes this rank has sent (host-side arithmetic, no sync; bf16
-    allreduces counted as a ring sends them). ``state_dict()`` / ``load_state_dict()`` save and
-    restore the error memory, the counter and the wire chosen, so a restored job continues
-    bit-identically.
+    ``bytes_sent`` counts the bytes this rank has sent (host-side arithmetic, no sync).
+    ``state_dict()`` / ``load_state_dict()`` save and restore the error memory and the counter, so
+    a restored job continues bit-identically.
 
     Example::
 
@@ -111,8 +99,6 @@ class QuantizedState(ResumableHookState):
         "_bytes",
         "_graphs",
         "_pattern",
-        "_wire",
-        "bf16_if_faster",
         "block_size",
         "error_feedback",
         "shard_error_dict",
@@ -120,7 +106,6 @@ class QuantizedState(ResumableHookState):
 
     _SETTINGS = ("error_feedback", "block_size")
     _MEMORY = ("error_dict", "shard_error_dict")
-    _OPTIONAL = ("wire", "passes")  # absent from the checkpoints of dcomm 0.1.0
 
     def __init__(
         self,
@@ -129,17 +114,12 @@ class QuantizedState(ResumableHookState):
         block_size: int = 256,
         *,
         cuda_graphs: bool = True,
-        bf16_if_faster: bool = True,
     ) -> None:
         super().__init__(process_group)
         self.error_feedback = boolean("error_feedback", error_feedback, "pass False to drop the rounding errors")
         self.block_size = even_int("block_size", block_size, 2, "the default is 256")
         graphs = boolean("cuda_graphs", cuda_graphs, "pass False to run each bucket's kernels one by one")
-        self.bf16_if_faster = boolean(
-            "bf16_if_faster", bf16_if_faster, "pass False to send the quantized codes whatever the link"
-        )
-        self._bytes = 0  # sent by the Python paths (the C++ bf16 hooks count their own)
-        self._wire = WireChoice()
+        self._bytes = 0
         # Per bucket index: the local rounding error (the padded bucket, in error_dict) and the
         # owner's error of its re-quantized average chunk.
         self.shard_error_dict: dict[int, torch.Tensor] = {}
@@ -159,60 +139,28 @@ class QuantizedState(ResumableHookState):
     @property
     def bytes_sent(self) -> int:
         """Bytes this rank has sent through the hook."""
-        return self._bytes + self._wire.native_bytes()
+        return self._bytes
 
     @bytes_sent.setter
     def bytes_sent(self, value: int) -> None:  # e.g. 0, to count from here on
-        self._bytes = non_negative_int("bytes_sent", value, "pass 0 to count from here on") - self._wire.native_bytes()
-
-    @property
-    def wire(self) -> str | None:
-        """``"bf16"`` or the quantized format, once chosen with ``bf16_if_faster``; None before.
-
-        Example::
-
-            >>> QuantizedState(None).wire is None
-            True
-        """
-        return self._wire.chosen
+        self._bytes = non_negative_int("bytes_sent", value, "pass 0 to count from here on")
 
     def __repr__(self) -> str:
         return (
             f"QuantizedState(error_feedback={self.error_feedback}, block_size={self.block_size}, "
-            f"cuda_graphs={self.cuda_graphs}, bf16_if_faster={self.bf16_if_faster}, wire={self.wire!r}, "
-            f"bytes_sent={self.bytes_sent})"
+            f"cuda_graphs={self.cuda_graphs}, bytes_sent={self.bytes_sent})"
         )
 
     def _progress(self) -> dict[str, Any]:
-        return {"bytes_sent": self.bytes_sent, "wire": self._wire.chosen, "passes": self._wire.passes}
+        # A checkpoint of dcomm-ddp 0.1 also holds "wire" and "passes" (of the removed bf16_if_faster): ignored.
+        return {"bytes_sent": self.bytes_sent}
 
     def _progress_checks(self, fix: str) -> dict[str, Callable[[str, Any], Any]]:
-        return {
-            "bytes_sent": lambda name, value: non_negative_int(name, value, fix),
-            "wire": lambda name, value: None if value is None else one_of(name, value, WIRES, fix),
-            "passes": lambda name, value: non_negative_int(name, value, fix),
-        }
+        return {"bytes_sent": lambda name, value: non_negative_int(name, value, fix)}
 
     def _restore(self, progress: dict[str, Any]) -> None:
-        chosen = progress.get("wire") if self.bf16_if_faster else None
-        self._wire.restore(chosen, progress.get("passes", 0))
-        self._bytes = progress["bytes_sent"] - self._wire.native_bytes()
+        self._bytes = progress["bytes_sent"]
         self._graphs.clear()  # they write the memories just replaced
-
-    def _end_pass(self, fmt: str, device: torch.device) -> None:
-        """The last bucket of a backward pass DDP's reducer handed over: choose the next pass's wire."""
-        self._wire.end_pass(fmt, self.process_group, device)
-        if self._wire.chosen == "bf16" and self._averagers:
-            self._forget_codes(device)
-
-    def _forget_codes(self, device: torch.device) -> None:
-        """bf16 from now on: free the error memories, the CUDA graphs and the averagers' buffers."""
-        if len(self._graphs) and device.type == "cuda":
-            torch.cuda.synchronize(device)  # once: no graph may be replaying when it is destroyed
-        self.error_dict.clear()
-        self.shard_error_dict.clear()
-        self._graphs.clear()
-        self._averagers.clear()
 
     def _averager(self, fmt: str) -> QuantizedAverage:
         """The collective for ``fmt``; it keeps each bucket's send and receive buffers between steps."""
@@ -261,37 +209,13 @@ def _resolve_state(state: object, hook: str) -> QuantizedState:
 
 
 def _quantized_average(fmt: str, state: QuantizedState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The bucket averaged with the two-shot reduction of quantized codes: a future of the bucket."""
     resolved = resolve_group(state.process_group)  # for this call only: nothing here keeps it
     if resolved.size() == 1:
         return completed_future(bucket.buffer())
     # A bucket out of order (static_graph's first iteration) gets buffers of its own and no error
     # memory: the index no longer names one bucket.
     in_order = state._follows(bucket)
-    caller = _caller_of_hook(depth=3)
-    by_reducer = _called_by_reducer(caller)
-    if not (in_order and (by_reducer or _shadowed_by_join(caller)) and state.bf16_if_faster):
-        return _codes_average(fmt, state, resolved, bucket, in_order, by_reducer)
-    # DDP hands the buckets over in order (its reducer, or on a rank that ran out of data under
-    # Join, DDP's shadow of the others' pass): the wire of this pass was chosen at the end of the
-    # last (see dcomm.ddp._wire_choice), and this pass's end chooses the next one's.
-    if state._wire.wire(fmt) == "bf16":  # only here where no C++ hook takes bf16 passes
-        future = _bf16_average(state, resolved, bucket, by_reducer)
-    else:
-        future = _codes_average(fmt, state, resolved, bucket, in_order, by_reducer)
-    if bucket.is_last():
-        state._end_pass(fmt, bucket.buffer().device)
-    return future
-
-
-def _codes_average(
-    fmt: str,
-    state: QuantizedState,
-    resolved: dist.ProcessGroup,
-    bucket: dist.GradBucket,
-    in_order: bool,
-    by_reducer: bool,
-) -> torch.futures.Future[torch.Tensor]:
-    """The bucket averaged with the two-shot reduction of quantized codes."""
     # Callbacks name the group through the state, never hold it (see powersgd._compress_matrices).
     group = state.process_group
     world = resolved.size()
@@ -301,9 +225,10 @@ def _codes_average(
     key = (fmt, index, numel, buffer.data_ptr())
     if in_order and buffer.is_cuda:
         # Bucket 0, the first of every backward pass, is the one the NCCL watchdog sees now and then.
-        work = state._graphs.replay(key, averager._side_stream(buffer.device), watched=index == 0)
+        stream = averager._side_stream(buffer.device)
+        work = state._graphs.replay(key, stream, watched=index == 0)
         if work is not None:
-            return _deferred(state, resolved, work, bucket, buffer, by_reducer)
+            return _replayed(state, work, stream, buffer)
     error = shard_error = None
     if state.error_feedback and in_order:
         error = state._memory("error_dict", index, averager.padded_numel(numel, world), buffer.device)
@@ -318,62 +243,29 @@ def _codes_average(
             captured.result()
             return captured.bytes_sent
 
-        work = state._graphs.capture(key, average, averager._side_stream(buffer.device))
+        stream = averager._side_stream(buffer.device)
+        work = state._graphs.capture(key, average, stream)
         if work is not None:
-            return _deferred(state, resolved, work, bucket, buffer, by_reducer)
-    if bucket.is_last():  # buckets averaged by graphs before this one are waited for here
-        wait_deferred(resolved)
+            return _replayed(state, work, stream, buffer)
     # Encoding runs here, on the hook's stream; the rest on the averager's side stream.
     pending = averager.begin(buffer, group, error=error, shard_error=shard_error, key=index if in_order else None)
     state._bytes += pending.bytes_sent
     return state._chain.run(pending.launch, lambda _: pending.result(), drain=drains_here(bucket, resolved))
 
 
-def _deferred(
-    state: QuantizedState,
-    group: dist.ProcessGroup,
-    work: StreamWork,
-    bucket: dist.GradBucket,
-    buffer: torch.Tensor,
-    by_reducer: bool,
+def _replayed(
+    state: QuantizedState, work: StreamWork, stream: Any, buffer: torch.Tensor
 ) -> torch.futures.Future[torch.Tensor]:
-    """The future of a replayed average: waited for at DDP's last bucket, or now for a Python caller."""
-    state._bytes += work.bytes_sent
-    if by_reducer:
-        return defer_to_last_bucket(group, work, bucket, buffer)
-    work.wait()
-    return completed_future(buffer)
+    """A future of ``buffer``, averaged by a graph replayed on ``stream``.
 
-
-def _bf16_average(
-    state: QuantizedState, group: dist.ProcessGroup, bucket: dist.GradBucket, by_reducer: bool
-) -> torch.futures.Future[torch.Tensor]:
-    """The bucket averaged as dcomm's ``bf16_compress_hook`` averages it."""
-    buffer = bucket.buffer()
-    world = group.size()
-    state._bytes += 2 * (world - 1) * buffer.numel() * 2 // world  # a ring allreduce of bf16 values
-    return _compressed_average(torch.bfloat16, group, bucket, by_reducer)
-
-
-def _shadowed_by_join(caller: FrameType | None) -> bool:
-    """Whether DDP calls the hook from a rank that ran out of data under Join, shadowing the others' pass.
-
-    Such a rank must send in the wire the others send, so it counts and times its passes as they do.
+    A CUDA future, completed on ``stream`` after the replay: whoever waits for it (DDP, or a
+    Python caller) has its current stream ordered after the average, as with NCCL's own futures.
     """
-    return (
-        caller is not None
-        and caller.f_code.co_name == "_match_all_reduce_for_bwd_pass"
-        and str(caller.f_globals.get("__name__")) == "torch.nn.parallel.distributed"
-    )
-
-
-def native_pass_end(state: QuantizedState, fmt: str) -> Callable[[list[int], list[torch.Tensor]], None]:
-    """What the C++ bf16 hook of a quantized hook calls at the last bucket of each pass it averaged."""
-
-    def at_last(indices: list[int], averaged: list[torch.Tensor]) -> None:
-        state._end_pass(fmt, averaged[0].device)
-
-    return at_last
+    state._bytes += work.bytes_sent
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[buffer.device])
+    with torch.cuda.stream(stream):
+        fut.set_result(buffer)
+    return fut
 
 
 def int8_compress_hook(state: QuantizedState | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -402,7 +294,3 @@ def fp8_compress_hook(state: QuantizedState | None, bucket: dist.GradBucket) -> 
         >>> ddp_model.register_comm_hook(QuantizedState(None), fp8_compress_hook)  # doctest: +SKIP
     """
     return _quantized_average("fp8", _resolve_state(state, "fp8_compress_hook"), bucket)
-
-
-# The format each hook sends, for the C++ registration (dcomm.ddp.native_hooks).
-HOOK_FORMATS: dict[Callable[..., Any], str] = {int8_compress_hook: "int8", fp8_compress_hook: "fp8"}

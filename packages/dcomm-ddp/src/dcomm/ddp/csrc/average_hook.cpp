@@ -6,9 +6,11 @@
 // hook does not handle (sparse gradients; DDP buckets complex ones as their real view) goes to the
 // Python hook it stands for.
 //
-// Where DDP was built with gradient_as_bucket_view=True (.grad views the bucket) and the bucket is
-// on a GPU, a plain hook sending fp16/bf16 casts, sends and casts back into the bucket on a side
-// stream, and DDP then copies nothing: no work at all on the backward stream.
+// A bucket sent in fp16/bf16 is cast, then divided in the sent dtype (torch's hooks' order, so the
+// sum is bit-identical to theirs). Where DDP was built with gradient_as_bucket_view=True (.grad
+// views the bucket) and the bucket is on a GPU, a plain hook sending fp16/bf16 casts, sends and
+// casts back into the bucket on a side stream, and DDP then copies nothing: no work at all on the
+// backward stream.
 //
 // A hook may also be registered switched off, with a callable for its last bucket: it then runs
 // the Python hook for every bucket until Python switches it on. Switched on, it averages every
@@ -47,8 +49,9 @@
 
 namespace {
 
-// Whether a division into another dtype can be one kernel: from fp32/fp64 the quotient is computed
-// in the input's dtype, then cast. From fp16/bf16 it would be rounded to the input's
+// The scatter hook's division into its send buffers, as dcomm.core.divide_into does it for ZeRO's
+// Python path. Whether a division into another dtype can be one kernel: from fp32/fp64 the quotient
+// is computed in the input's dtype, then cast. From fp16/bf16 it would be rounded to the input's
 // precision first (a bf16 gradient sent in fp16 kept bf16's 8 bits), so there the division follows
 // the cast, in the sent dtype, as torch's hooks and dcomm.core.divide_into do.
 bool isWide(const at::Tensor& tensor) {
@@ -78,7 +81,6 @@ struct Plan {
 struct Switch {
   std::atomic<bool> on{true};
   std::atomic<bool> hand_over{true};  // whether the last bucket calls Python (when there is a callable)
-  std::atomic<bool> cast_aside{false};  // where .grad views the bucket: cast, send and cast back on a side stream
   std::optional<c10::Stream> waiting;
   std::atomic<int64_t> bytes_sent{0};
 };
@@ -203,8 +205,7 @@ class AverageHook final : public SwitchedHook {
     sent = buffer;
     if (plan.wire.has_value()) {
       sent = lowPrecisionCopy(bucket.getIndex(), buffer, *plan.wire);
-      if (native_->cast_aside.load() && at_last_.is_none() && buffer.device().type() != at::kCPU &&
-          gradientsAreViewsOf(bucket, buffer)) {
+      if (at_last_.is_none() && buffer.device().type() != at::kCPU && gradientsAreViewsOf(bucket, buffer)) {
         return averageAside(bucket.getIndex(), buffer, sent, plan);
       }
       castInto(sent, buffer, plan);
@@ -249,11 +250,11 @@ class AverageHook final : public SwitchedHook {
     return done;
   }
 
+  // The cast, then the division in the sent dtype: torch's hooks' arithmetic, bit for bit.
   static void castInto(at::Tensor& sent, const at::Tensor& buffer, const Plan& plan) {
-    if (plan.divisor == 1.0) {
-      sent.copy_(buffer);
-    } else {
-      divideInto(sent, buffer, plan.divisor_as_tensor);
+    sent.copy_(buffer);
+    if (plan.divisor != 1.0) {
+      sent.div_(plan.divisor_as_tensor);
     }
   }
 
@@ -446,11 +447,9 @@ class ScatterHook final : public SwitchedHook {
 
 std::shared_ptr<Switch> registerHook(const std::shared_ptr<c10d::Reducer>& reducer,
                                      const c10::intrusive_ptr<c10d::ProcessGroup>& group, py::object plan_for,
-                                     py::object state, py::object python_hook, py::object at_last,
-                                     bool cast_aside) {
+                                     py::object state, py::object python_hook, py::object at_last) {
   auto native = std::make_shared<Switch>();
   native->on.store(at_last.is_none());  // with a last-bucket callable, Python switches it on
-  native->cast_aside.store(cast_aside);
   reducer->register_comm_hook(std::make_unique<AverageHook>(group, std::move(plan_for), std::move(state),
                                                             std::move(python_hook), std::move(at_last), native));
   return native;
@@ -514,7 +513,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "The shards (send buffer, receive buffer, parameters) and, per bucket, its pieces "
           "(shard, parameters, [(bucket offset, send offset, elements)]).");
   m.def("register_average_hook", &registerHook, py::arg("reducer"), py::arg("group"), py::arg("plan_for"),
-        py::arg("state"), py::arg("python_hook"), py::arg("at_last") = py::none(), py::arg("cast_aside") = false,
+        py::arg("state"), py::arg("python_hook"), py::arg("at_last") = py::none(),
         "Register the C++ averaging hook on DDP's reducer (once, before the first backward); return its switch.");
   m.def("register_scatter_hook", &registerScatterHook, py::arg("reducer"), py::arg("group"), py::arg("state"),
         py::arg("python_hook"), py::arg("at_last"),

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from dcomm.averaging.averagers import ModelAverager, check_warmup_steps
 from dcomm.averaging.parameters import (
     DEFAULT_BUCKET_CAP_MB,
-    _check_bucket_cap_mb,
     average_parameters_or_parameter_groups,
+    check_bucket_cap_mb,
 )
 from dcomm.core import get_logger, member_size, subgroups_of_size
 
@@ -186,7 +186,7 @@ class HierarchicalModelAverager(ModelAverager):
             "build the HierarchicalModelAverager only on the ranks of process_group, or pass a group holding this rank",
         )
         self.warmup_steps: int = check_warmup_steps(warmup_steps)
-        self.bucket_cap_mb = _check_bucket_cap_mb(bucket_cap_mb)
+        self.bucket_cap_mb = check_bucket_cap_mb(bucket_cap_mb)
         checked = _validate(period_group_size_dict, world)
         _check_splittable(checked, world)
         self._periods: list[int] = list(checked)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed.algorithms.model_averaging.utils as torch_utils
 from test_averaging_parameters import MIB, AllocationTracker, assert_averaged, exact_mean, make_params
 
+import dcomm.averaging._buckets as buckets
 from dcomm.averaging import average_parameters, flatten_parameters
 from dcomm_testing import device_synchronize_forbidden, recorded_calls, run_ranks, seeded_mlp
 
@@ -99,7 +100,7 @@ def _in_place_checks(rank: int, world: int) -> None:
     specs = [((64,), F32, False), ((16, 8), F32, False), ((2, 4, 3, 3), F32, True)]
     average_parameters(make_params(rank, specs, seed=6), None, bucket_cap_mb=256 / MIB)
     params = make_params(rank, specs, seed=6)
-    with AllocationTracker() as mem, recorded_calls(dist, "all_reduce", lambda *a, **k: a[0]) as sent:
+    with AllocationTracker() as mem, recorded_calls(buckets, "start_allreduce", lambda *a, **k: a[0]) as sent:
         average_parameters(params, None, bucket_cap_mb=256 / MIB)
     assert mem.peak == 0, mem.peak
     assert [t.numel() for t in sent] == [64, 128, 72]
@@ -116,7 +117,7 @@ def _in_place_checks(rank: int, world: int) -> None:
     twin = seeded_mlp(6, 8, 4)
     flatten_parameters(twin)
     average_parameters(twin.parameters(), None, bucket_cap_mb=2 * buffer.nbytes / MIB)
-    with AllocationTracker() as mem, recorded_calls(dist, "all_reduce", lambda *a, **k: a[0]) as sent:
+    with AllocationTracker() as mem, recorded_calls(buckets, "start_allreduce", lambda *a, **k: a[0]) as sent:
         average_parameters(model.parameters(), None, bucket_cap_mb=2 * buffer.nbytes / MIB)
     assert mem.peak == 0
     assert [t.numel() for t in sent] == [buffer.numel()]
@@ -126,7 +127,7 @@ def _in_place_checks(rank: int, world: int) -> None:
     # The same parameters, not flattened, go through one staging bucket of their bytes.
     for _ in range(2):
         model = seeded_mlp(6, 8, 4)
-        with AllocationTracker() as mem, recorded_calls(dist, "all_reduce", lambda *a, **k: a[0]) as sent:
+        with AllocationTracker() as mem, recorded_calls(buckets, "start_allreduce", lambda *a, **k: a[0]) as sent:
             average_parameters(model.parameters(), None, bucket_cap_mb=2 * buffer.nbytes / MIB)
     assert mem.peak == buffer.nbytes
     assert [t.numel() for t in sent] == [buffer.numel()]

@@ -7,7 +7,8 @@ averaged in their own storage: one grouped launch on NCCL, one allreduce each el
 other parameter is copied, in list order, into staging buckets of at most ``bucket_cap_mb`` in
 all, averaged there and copied back; the copies are one multi-tensor kernel per bucket each way.
 When the staged parameters do not fit in one bucket, two buffers of half the cap alternate, so
-that bucket ``i + 1`` is packed while bucket ``i`` is on the wire.
+that bucket ``i + 1`` is packed while bucket ``i`` is on the wire. The staging of the last list
+averaged on a device is kept for its next call (:class:`Staging`).
 
 Example::
 
@@ -24,9 +25,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from dcomm.core import AveragePlan, foreach_copy_, views_like
+from dcomm.core import AveragePlan, foreach_copy_, start_allreduce, views_like
 
-__all__ = ["IN_PLACE_BYTES", "MAX_GROUPED_TENSORS", "DevicePlan", "Piece", "average_device", "plan_device"]
+__all__ = ["IN_PLACE_BYTES", "MAX_GROUPED_TENSORS", "DevicePlan", "Piece", "Staging", "average_device", "plan_device"]
 
 IN_PLACE_BYTES = 2**20
 """Parameters (or back-to-back runs of them) of at least this many bytes are averaged in their own storage.
@@ -183,7 +184,7 @@ def _launch_in_place(plan: DevicePlan, tensors: list[torch.Tensor], group: dist.
     """Start the allreduce of ``tensors`` in their own storage: grouped launches on NCCL, one each elsewhere."""
     op = plan.op
     if not plan.grouped:
-        return [dist.all_reduce(t, op=op, group=group, async_op=True) for t in tensors]
+        return [start_allreduce(t, group, op) for t in tensors]
     options = dist.AllreduceCoalescedOptions()
     options.reduceOp = op
     if hasattr(options, "asyncOp"):
@@ -192,6 +193,39 @@ def _launch_in_place(plan: DevicePlan, tensors: list[torch.Tensor], group: dist.
         group.allreduce_coalesced(tensors[start : start + MAX_GROUPED_TENSORS], options)
         for start in range(0, len(tensors), MAX_GROUPED_TENSORS)
     ]
+
+
+class Staging(NamedTuple):
+    """One plan's staging on its device: per bucket, its stretch of the buffers and the views of that
+    stretch shaped like the bucket's tensors (made once: making them costs more host time than
+    the copies through them)."""
+
+    plan: DevicePlan
+    flats: list[torch.Tensor]
+    views: list[list[torch.Tensor]]
+
+
+_KEPT: dict[torch.device, Staging] = {}
+"""Per device, the staging of the last plan that staged there (at most ``bucket_cap_mb``), reused
+while the same parameter list is averaged again; another plan's call replaces it."""
+
+
+def _staging(plan: DevicePlan, params: list[torch.Tensor]) -> Staging:
+    """``plan``'s staging: the kept one if it is this plan's, else new (the old one is released first)."""
+    kept = _KEPT.get(plan.device)
+    if kept is not None and kept.plan is plan:
+        return kept
+    _KEPT.pop(plan.device, None)
+    memory = torch.empty(plan.buffer_numel * plan.buffers, dtype=plan.dtype, device=plan.device)
+    buffers = memory.split(plan.buffer_numel)
+    flats = [buffers[index % plan.buffers][:numel] for index, numel in enumerate(plan.bucket_numels)]
+    views = [views_like(flat, _tensors(params, bucket)) for flat, bucket in zip(flats, plan.buckets, strict=True)]
+    staging = _KEPT[plan.device] = Staging(plan, flats, views)
+    return staging
+
+
+def _tensors(params: list[torch.Tensor], pieces: tuple[Piece, ...]) -> list[torch.Tensor]:
+    return [params[piece.param] if piece.length < 0 else _tensor(params, piece) for piece in pieces]
 
 
 def average_device(plan: DevicePlan, params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
@@ -211,25 +245,22 @@ def average_device(plan: DevicePlan, params: list[torch.Tensor], group: dist.Pro
         >>> average_device(plan, params, dist.group.WORLD)  # doctest: +SKIP
     """
     op, pre = plan.op, plan.divisor
-    in_place = [_tensor(params, piece) for piece in plan.in_place]
+    in_place = _tensors(params, plan.in_place)
     if pre != 1.0:
         for tensor in in_place:
             tensor.div_(pre)
     works = _launch_in_place(plan, in_place, group) if in_place else []
     if plan.buckets:
-        staging = torch.empty(plan.buffer_numel * plan.buffers, dtype=plan.dtype, device=plan.device)
-        buffers = staging.split(plan.buffer_numel)
+        staging = _staging(plan, params)
         in_flight: deque[tuple[dist.Work, list[torch.Tensor], list[torch.Tensor]]] = deque()
-        for index, (bucket, numel) in enumerate(zip(plan.buckets, plan.bucket_numels, strict=True)):
+        for bucket, flat, views in zip(plan.buckets, staging.flats, staging.views, strict=True):
             if len(in_flight) == plan.buffers:
                 _unpack(*in_flight.popleft())
-            flat = buffers[index % plan.buffers][:numel]
-            tensors = [_tensor(params, piece) for piece in bucket]
-            views = views_like(flat, tensors)
+            tensors = _tensors(params, bucket)
             foreach_copy_(views, tensors)
             if pre != 1.0:
                 flat.div_(pre)
-            in_flight.append((dist.all_reduce(flat, op=op, group=group, async_op=True), tensors, views))
+            in_flight.append((start_allreduce(flat, group, op), tensors, views))
         while in_flight:
             _unpack(*in_flight.popleft())
     for work in works:

@@ -293,14 +293,27 @@ def average_parameters(
 def get_params_to_average(
     params: Iterable[torch.nn.Parameter] | Iterable[dict[str, torch.nn.Parameter]],
 ) -> list[torch.nn.Parameter]:
-    """The parameters in ``params`` that have a gradient, in order.
+    """The parameters in ``params`` that have a gradient, in order (torch's rule, torch's result).
 
-    ``params`` is a module's parameters or an optimizer's param groups (dicts with ``"params"``);
-    parameters whose ``.grad`` is None (frozen, or unused this step) are skipped.
+    Parameters whose ``.grad`` is None (frozen, or unused this step) are skipped: averaging them
+    would undo nothing a local step did. Every rank must skip the same ones (the averaging that
+    follows checks it on its first call with a new list).
+
+    Args:
+        params: a module's parameters, or an optimizer's param groups (dicts with ``"params"``).
+
+    Returns:
+        The parameters with a gradient.
+
+    Raises:
+        NotImplementedError: an item is neither a tensor nor a param group (torch's exception type).
 
     Example::
 
-        >>> get_params_to_average(optimizer.param_groups)  # doctest: +SKIP
+        >>> model = torch.nn.Linear(2, 1)
+        >>> model.weight.grad = torch.zeros_like(model.weight)
+        >>> get_params_to_average(model.parameters()) == [model.weight]
+        True
     """
     chosen: list[torch.nn.Parameter] = []
     for item in params:
@@ -323,10 +336,23 @@ def average_parameters_or_parameter_groups(
     *,
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
 ) -> None:
-    """Average a module's parameters or an optimizer's param groups that have a gradient.
+    """Average, in place, the parameters in ``params`` that have a gradient (see :func:`get_params_to_average`).
+
+    What every averager calls at a step that averages.
+
+    Args:
+        params: a module's parameters, or an optimizer's param groups.
+        process_group: the group to average over; WORLD when None.
+        bucket_cap_mb: the bound on extra memory, in MiB (see :func:`average_parameters`).
+
+    Raises:
+        NotImplementedError: an item is neither a tensor nor a param group.
+        ValueError, TypeError: as :func:`average_parameters`, on every rank of the group.
 
     Example::
 
-        >>> average_parameters_or_parameter_groups(optimizer.param_groups, None)  # doctest: +SKIP
+        >>> loss.backward()  # doctest: +SKIP
+        >>> optimizer.step()  # doctest: +SKIP
+        >>> average_parameters_or_parameter_groups(optimizer.param_groups)  # doctest: +SKIP
     """
     average_parameters(get_params_to_average(params), process_group, bucket_cap_mb=bucket_cap_mb)

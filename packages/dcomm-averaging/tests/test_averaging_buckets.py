@@ -135,7 +135,9 @@ def _in_place_checks(rank: int, world: int) -> None:
     # Parameters that share memory are copied out and back, each averaged once.
     storage = (torch.arange(12, dtype=torch.float64) * (rank + 1)).float()
     aliased = [torch.nn.Parameter(storage[0:8]), torch.nn.Parameter(storage[4:12])]
-    average_parameters(aliased, None, bucket_cap_mb=8 / MIB)
+    with recorded_calls(buckets, "start_allreduce", lambda *a, **k: a[0]) as sent:
+        average_parameters(aliased, None, bucket_cap_mb=8 / MIB)
+    assert max(t.numel() for t in sent) <= 2, "aliasing parameters reduced in place"  # 8-byte buckets
     torch.testing.assert_close(storage.double(), torch.arange(12, dtype=torch.float64) * (world + 1) / 2)
 
     # No device synchronize, on either path.

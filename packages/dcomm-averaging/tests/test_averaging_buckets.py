@@ -150,3 +150,23 @@ def _in_place_checks(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_large_parameters_in_place(world: int) -> None:
     run_ranks(_in_place_checks, world, timeout=240)
+
+
+def _cuda_checks(rank: int, world: int) -> None:
+    # CUDA tensors on gloo (one GPU is enough): the staging, the spans and the casts run on the
+    # device; the results must still be torch's, bit for bit at 2 ranks.
+    device = torch.device("cuda", 0)
+    for name, specs in DTYPE_LISTS.items():
+        for cap in [25.0, 64 / MIB]:
+            params = [torch.nn.Parameter(p.detach().to(device)) for p in make_params(rank, specs, seed=8)]
+            pointers = [p.data_ptr() for p in params]
+            expected = _torch_average(params)
+            average_parameters(params, None, bucket_cap_mb=cap)
+            assert [p.data_ptr() for p in params] == pointers
+            _same_bits([p.detach() for p in params], expected, f"cuda {name} cap {cap}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU suite runs it)")
+def test_cuda_tensors_bit_identical_to_torch() -> None:
+    run_ranks(_cuda_checks, 2, timeout=240)

@@ -156,9 +156,9 @@ def _make_plan(params: list[torch.Tensor], group: dist.ProcessGroup, cap_bytes: 
         # One dtype for the whole list, as torch.cat makes it in torch's average_parameters.
         dtype = functools.reduce(torch.promote_types, {params[i].dtype for ids in floats.values() for i in ids})
         world = dist.get_world_size(group)
+        # NCCL's AVG multiplies by 1 / world inside the sum: torch's bits where that is exact.
+        exact_avg = world & (world - 1) == 0
         for device, indices in floats.items():
-            # NCCL's AVG multiplies by 1 / world inside the sum: torch's bits where that is exact.
-            exact_avg = world & (world - 1) == 0
             average = plan_average(
                 group, dtype, device, arithmetic="predivide", nccl_average=exact_avg, nccl_premul=False
             )

@@ -16,7 +16,7 @@ from tools.bench_results import rows_of
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAINING_CASES = ("ddp", "compression", "post-local-sgd", "zero", "fsdp", "fully_shard")
 EXPECTED_ROWS = {
-    "averaging": {"averaging", "averaging/flattened", "averaging/eager"},
+    "averaging": {"averaging", "averaging/flattened"},
     "diloco": {"diloco"},
     "ddp": {
         "ddp/allreduce",

@@ -19,8 +19,8 @@ from typing import Any
 __all__ = ["builds", "main"]
 
 TARGET = ("cuda", 90, 32)  # H100 / H200
-POINTERS = {"codes_ptr": "*u8", "received_ptr": "*u8", "row_ptr": "*u8", "table_ptr": "*i64"}  # others: float32
-INTEGERS = {"flat_index": "i64", "first_element": "i64"}  # the others are int32
+POINTERS = {"codes_ptr": "*u8", "received_ptr": "*u8", "row_ptr": "*u8"}  # others: float32
+INTEGERS: dict[str, str] = {}  # every integer argument is int32
 
 
 def _signature(kernel: Any, constants: dict[str, Any]) -> dict[str, str]:
@@ -39,7 +39,6 @@ def _signature(kernel: Any, constants: dict[str, Any]) -> dict[str, str]:
 def builds() -> Iterator[tuple[str, Any, dict[str, Any]]]:
     """(label, kernel, compile-time arguments) for every variant the wrappers launch."""
     from dcomm.core import _quantization_kernels as kernels
-    from dcomm.core import tensor_table
 
     for fmt, limit in (("int8", 127.0), ("fp8", 448.0)):
         fp8 = fmt == "fp8"
@@ -50,10 +49,6 @@ def builds() -> Iterator[tuple[str, Any, dict[str, Any]]]:
             average = {**common, "INV_WORLD": 0.25, "ERROR": error}
             yield f"average_rows {fmt} error={error}", kernels._average_rows, average
         yield f"dequantize {fmt}", kernels._dequantize, {"BLOCK": 256, "GROUP": 8, "FP8": fp8}
-    for to_flat in (False, True):
-        for align in (1, 4):
-            constants = {"TO_FLAT": to_flat, "ALIGN": align, "BLOCK": tensor_table.BLOCK}
-            yield f"tensor_table copy_rows to_flat={to_flat} align={align}", tensor_table._copy_rows, constants
 
 
 def main() -> int:

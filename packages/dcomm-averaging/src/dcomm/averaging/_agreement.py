@@ -1,83 +1,56 @@
-"""Which back-to-back parameters every rank joins into one allreduce, agreed once per call signature.
+"""That every rank of a group passes alike parameters, checked in one small collective per new parameter list.
 
-Joined tensors are one allreduce, so every rank must join the same ones, yet where memory lies
-differs between ranks. On NCCL the ranks agree in one small collective (:func:`agreed_links`) the
-first time a group sees a call's :class:`Signature`: the paths and the parameters' sizes and
-dtypes, which every rank passes alike. Every call looks its signature up in its group's
-agreements (:func:`lookup`), so the ranks agree at the same calls whatever each one's kept
-recipes (one rank's recipe may be remade alone: its parameters got new storage, or a new model
-reused the old one's addresses on some ranks only). Agreements belong to the process group
-object: a group created anew (after ``destroy_process_group``, with fresh processes among its
-members, say) starts with none on every rank. A rank whose memory no longer lies as agreed
-keeps the agreed chains and averages a broken one through a buffer of its own
-(:func:`broken_chains`).
+:func:`dcomm.averaging.average_parameters` is a collective: every rank of the group must make the
+same allreduces. A rank that passes other parameters (fewer, other sizes, dtypes or devices), a
+parameter that cannot be averaged, or another ``bucket_cap_mb`` would leave its peers waiting in
+an allreduce until the process group times out. So the first time a group sees a call's
+:class:`CallSignature`, every rank gathers every rank's signature and the problem it found, if
+any (:func:`agree`): where one differs, every rank raises the same error naming the rank. A
+signature agreed once is kept per group (:class:`AgreedSignatures`), and later calls with it
+cost nothing.
 
 Example::
 
-    >>> key = Signature((), (4, 4), (torch.float32, torch.float32))
-    >>> lookup(dist.group.WORLD, key) is None  # before the first call with these sizes  # doctest: +SKIP
-    True
+    >>> one = CallSignature(8.0, ((3, "torch.float32", "cpu"),), ())
+    >>> disagreement([(None, one), (None, CallSignature(8.0, (), ()))])[1][:60]
+    'params: rank 1 passed 0 parameters where rank 0 passed 1 par'
 """
 
 from __future__ import annotations
 
 import collections
 import weakref
-from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
-import torch
 import torch.distributed as dist
 
-from dcomm.averaging._layout import memory_regions, storage_regions, successors
-
-__all__ = [
-    "Agreement",
-    "Signature",
-    "agreed_links",
-    "broken_chains",
-    "keep",
-    "links_for",
-    "local_links",
-    "lookup",
-]
-
-ALLOCATOR_BLOCK_BYTES = 512
-"""PyTorch's CUDA caching allocator rounds every block to a multiple of this many bytes."""
+__all__ = ["AgreedSignatures", "CallSignature", "Problem", "agree", "disagreement"]
 
 KEPT = 64
-"""At most this many agreements are kept per group, the least recently used dropped first (on every rank alike)."""
+"""At most this many agreed signatures are kept per group, the least recently used dropped first."""
 
-
-class Agreement(NamedTuple):
-    """The links the ranks agreed on, one entry per in-place (device, dtype) group of the call, in order.
-
-    An entry is every tensor's agreed successor (:func:`dcomm.averaging._layout.successors`), or
-    None where the ranks did not agree on memory (off NCCL, during a CUDA-graph capture, no byte
-    count a multiple of 512): then views of one storage alone join, laid out alike on every rank.
-    """
-
-    links: list[list[int] | None]
-
-
-_AGREEMENTS: weakref.WeakKeyDictionary[dist.ProcessGroup, collections.OrderedDict[Signature, Agreement]] = (
-    weakref.WeakKeyDictionary()
+_FIX = (
+    "pass the same parameters, in the same order and memory layout, and the same bucket_cap_mb on every "
+    "rank of the group (an averager passes the parameters that have a gradient: every rank must compute "
+    "the same ones)"
 )
-"""Per process group (gone with it), its agreements by signature, most recently used last."""
 
 
-class Signature:
-    """What names a call alike on every rank of its group: the paths, the parameters' sizes and dtypes.
+class CallSignature:
+    """What every rank of a group must pass alike: the bucket cap, each parameter's size, dtype and
+    device type, and what the call does with them (``layout``: per device, the computation dtype,
+    the in-place tensors' and the buckets' element counts: the collectives it makes).
 
-    Hashed once: every call looks its signature up (a recipe keeps the one it was made under),
-    and a tuple of a large model's sizes and dtypes would be hashed anew each time.
+    Hashed once: every call looks its signature up among the agreed ones.
     """
 
-    __slots__ = ("_hash", "parts")
+    __slots__ = ("_hash", "cap_bytes", "layout", "params")
 
-    def __init__(self, paths: Hashable, sizes: tuple[int, ...], dtypes: tuple[Any, ...]) -> None:
-        self.parts = (paths, sizes, dtypes)
-        self._hash = hash(self.parts)
+    def __init__(self, cap_bytes: float, params: tuple[tuple[int, str, str], ...], layout: tuple[Any, ...]) -> None:
+        self.cap_bytes = cap_bytes
+        self.params = params
+        self.layout = layout
+        self._hash = hash((cap_bytes, params, layout))
 
     def __hash__(self) -> int:
         return self._hash
@@ -85,79 +58,143 @@ class Signature:
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True
-        return isinstance(other, Signature) and self._hash == other._hash and self.parts == other.parts
+        if not isinstance(other, CallSignature) or self._hash != other._hash:
+            return False
+        return (self.cap_bytes, self.params, self.layout) == (other.cap_bytes, other.params, other.layout)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (CallSignature, (self.cap_bytes, self.params, self.layout))
 
 
-def lookup(group: dist.ProcessGroup, key: Signature) -> Agreement | None:
-    """``group``'s agreement for signature ``key`` (marked most recent), or None: then the ranks agree anew.
+class Problem(NamedTuple):
+    """A parameter or argument this rank cannot average: the exception's type name and its message."""
 
-    Called once per call on every rank, so the kept agreements, and what drops out of them, stay
-    the same on every rank.
+    kind: str
+    message: str
+
+
+_KINDS: dict[str, type[Exception]] = {"TypeError": TypeError, "ValueError": ValueError}
+
+
+def _count(n: int) -> str:
+    return f"{n} parameter" + ("" if n == 1 else "s")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def _difference(odd: CallSignature, reference: CallSignature) -> tuple[str, str]:
+    """What the odd rank passed and what the reference ranks passed, at their first difference."""
+    if odd.cap_bytes != reference.cap_bytes:
+        return f"bucket_cap_mb={odd.cap_bytes / 2**20:g}", f"bucket_cap_mb={reference.cap_bytes / 2**20:g}"
+    if len(odd.params) != len(reference.params):
+        return _count(len(odd.params)), _count(len(reference.params))
+    for index, (mine, theirs) in enumerate(zip(odd.params, reference.params, strict=True)):
+        if mine != theirs:
+            return (
+                f"parameter {index} as {mine[0]} {mine[1]} elements on {mine[2]}",
+                f"{theirs[0]} {theirs[1]} elements on {theirs[2]}",
+            )
+    return (
+        "the same sizes and dtypes laid out differently in memory (views of one buffer, as "
+        "flatten_parameters makes them, on some ranks only)",
+        "another layout",
+    )
+
+
+def disagreement(gathered: list[tuple[Problem | None, CallSignature | None]]) -> tuple[type[Exception], str] | None:
+    """The error every rank raises for the gathered ``(problem, signature)`` of each rank, or None if they agree.
+
+    A problem found on some rank wins (the lowest such rank's). Otherwise the signature most
+    ranks passed (on a tie, the lowest rank's) is the reference, and the message names the first
+    rank that differs from it and what differs. Computed from the same list on every rank, so
+    every rank raises the same message.
+
+    Args:
+        gathered: per rank of the group, in rank order, its problem (or None) and its signature.
+
+    Returns:
+        ``(exception type, message)``, or None when every rank passed the same and none found a problem.
+
+    Example::
+
+        >>> same = (None, CallSignature(8.0, (), ()))
+        >>> disagreement([same, same]) is None
+        True
     """
-    kept = _AGREEMENTS.get(group)
-    if kept is None:
+    problems = [(rank, problem) for rank, (problem, _) in enumerate(gathered) if problem is not None]
+    if problems:
+        first = problems[0][1]
+        where = _ranks([rank for rank, problem in problems if problem == first])
+        return _KINDS.get(
+            first.kind, ValueError
+        ), f"{first.message} (found on {where}; every rank of the group raises this error)"
+    signatures = [signature for _, signature in gathered]
+    counts = collections.Counter(signatures)
+    reference = max(signatures, key=lambda s: (counts[s], -signatures.index(s)))
+    odd = [rank for rank, signature in enumerate(signatures) if signature != reference]
+    if not odd:
         return None
-    found = kept.get(key)
+    agreeing = [rank for rank, signature in enumerate(signatures) if signature == reference]
+    odd_signature, reference_signature = signatures[odd[0]], reference
+    assert odd_signature is not None
+    assert reference_signature is not None
+    mine, theirs = _difference(odd_signature, reference_signature)
+    others = f" (ranks {odd} differ from ranks {agreeing})" if len(odd) > 1 else ""
+    return ValueError, f"params: rank {odd[0]} passed {mine} where {_ranks(agreeing)} passed {theirs}{others}; {_FIX}"
+
+
+def agree(group: dist.ProcessGroup, problem: Problem | None, signature: CallSignature | None) -> None:
+    """Gather every rank's ``(problem, signature)`` in one collective; raise on every rank if they differ.
+
+    Args:
+        group: the call's process group (this rank is a member).
+        problem: what this rank cannot average, or None.
+        signature: this rank's call signature (None where ``problem`` is set).
+
+    Raises:
+        ValueError: a rank found a problem with a parameter, or the ranks passed different
+            parameters (the message names the rank); the same on every rank.
+        TypeError: a rank passed an argument of the wrong type (e.g. ``bucket_cap_mb``).
+
+    Example::
+
+        >>> agree(dist.group.WORLD, None, signature)  # every rank calls it  # doctest: +SKIP
+    """
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (problem, signature), group=group)
+    found = disagreement(gathered)
     if found is not None:
-        kept.move_to_end(key)
-    return found
+        kind, message = found
+        raise kind(message)
 
 
-def keep(group: dist.ProcessGroup, key: Signature, agreement: Agreement) -> None:
-    """Keep ``agreement`` as ``group``'s most recent for signature ``key``, within :data:`KEPT`."""
-    kept = _AGREEMENTS.setdefault(group, collections.OrderedDict())
-    kept[key] = agreement
-    kept.move_to_end(key)
-    while len(kept) > KEPT:
-        kept.popitem(last=False)
+class AgreedSignatures:
+    """The signatures a group's ranks agreed on, per process group (gone with it), most recent last.
 
+    Example::
 
-def agreed_links(
-    tensors: list[torch.Tensor], spans: list[tuple[int, int]], group: dist.ProcessGroup, by_nccl: bool
-) -> list[int] | None:
-    """The links every rank has (one MIN allreduce of 16 bytes per tensor), or None where none is asked.
-
-    On NCCL, separate tensors back to back in one CUDA allocation join; where they lie depends on
-    each rank's allocations, so the ranks keep only the links that all of them have: one allreduce
-    and one device-to-host copy. None (views of one storage alone join) off NCCL, while a CUDA
-    graph is being captured, and where no tensor's byte count is a multiple of the caching
-    allocator's 512-byte blocks (nothing can follow it in its allocation); each is alike on every rank.
+        >>> agreed = AgreedSignatures()
+        >>> agreed.contains(dist.group.WORLD, signature)  # doctest: +SKIP
+        False
     """
-    may_follow = len(tensors) > 1 and any(t.nbytes % ALLOCATOR_BLOCK_BYTES == 0 for t in tensors)
-    if not (by_nccl and may_follow) or (tensors[0].is_cuda and torch.cuda.is_current_stream_capturing()):
-        return None
-    mine = successors(spans, memory_regions(tensors))
-    # One MIN gives every link's smallest value and its largest, negated: the ranks agree where they are equal.
-    bounds = torch.tensor(mine + [-link for link in mine], dtype=torch.int64, device=tensors[0].device)
-    dist.all_reduce(bounds, op=dist.ReduceOp.MIN, group=group)
-    agreed = bounds.tolist()
-    low, negated_high = agreed[: len(tensors)], agreed[len(tensors) :]
-    return [link if link == -high else -1 for link, high in zip(low, negated_high, strict=True)]
 
+    def __init__(self) -> None:
+        self._by_group: weakref.WeakKeyDictionary[dist.ProcessGroup, collections.OrderedDict[CallSignature, None]]
+        self._by_group = weakref.WeakKeyDictionary()
 
-def links_for(links: Sequence[list[int] | None], position: int, count: int) -> list[int] | None:
-    """The agreed links of the ``position``-th in-place group, if they were agreed for ``count`` tensors.
+    def contains(self, group: dist.ProcessGroup, signature: CallSignature) -> bool:
+        """Whether ``group``'s ranks agreed on ``signature`` (marked most recent if so)."""
+        kept = self._by_group.get(group)
+        if kept is None or signature not in kept:
+            return False
+        kept.move_to_end(signature)
+        return True
 
-    None (views of one storage alone join) where the agreement has no such group: it was made
-    when these parameters took another path (they aliased each other then, say).
-    """
-    agreed = links[position] if position < len(links) else None
-    return agreed if agreed is not None and len(agreed) == count else None
-
-
-def local_links(tensors: list[torch.Tensor], spans: list[tuple[int, int]], agreed: list[int] | None) -> list[int]:
-    """The links to join along: the agreed ones, or, where there are none, views of one storage."""
-    return successors(spans, storage_regions(tensors)) if agreed is None else agreed
-
-
-def broken_chains(tensors: list[torch.Tensor], spans: list[tuple[int, int]], joined: Sequence[list[int]]) -> list[int]:
-    """The indices of the chains in ``joined`` whose tensors no longer lie back to back on this rank.
-
-    Such a chain still costs one allreduce of all its elements, as on the other ranks, through a
-    buffer (see ``_DeviceRecipe.rejoined``).
-    """
-    long = [index for index, chain in enumerate(joined) if len(chain) > 1]
-    if not long:
-        return []
-    here = successors(spans, memory_regions(tensors))
-    return [i for i in long if any(here[a] != b for a, b in zip(joined[i], joined[i][1:], strict=False))]
+    def add(self, group: dist.ProcessGroup, signature: CallSignature) -> None:
+        """Keep ``signature`` as agreed by ``group``'s ranks, within :data:`KEPT` per group."""
+        kept = self._by_group.setdefault(group, collections.OrderedDict())
+        kept[signature] = None
+        while len(kept) > KEPT:
+            kept.popitem(last=False)

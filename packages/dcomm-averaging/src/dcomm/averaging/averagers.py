@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from dcomm.averaging.parameters import (
     DEFAULT_BUCKET_CAP_MB,
-    _check_bucket_cap_mb,
     average_parameters_or_parameter_groups,
+    check_bucket_cap_mb,
 )
 from dcomm.core import resolve_group
 from dcomm.core.validation import check_state_dict, non_negative_int, positive_int
@@ -130,7 +130,7 @@ class PeriodicModelAverager(ModelAverager):
     ) -> None:
         self.warmup_steps: int = check_warmup_steps(warmup_steps)
         self.period: int = positive_int("period", period, "pass how many steps apart to average, usually more than 1")
-        self.bucket_cap_mb = _check_bucket_cap_mb(bucket_cap_mb)
+        self.bucket_cap_mb = check_bucket_cap_mb(bucket_cap_mb)
         super().__init__(process_group)
         if self.period == 1:
             warnings.warn(PERIOD_ONE_WARNING, stacklevel=2)

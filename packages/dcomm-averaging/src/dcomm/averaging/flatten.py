@@ -1,12 +1,13 @@
 """Lay a module's parameters back to back in one buffer per device and dtype, for one-message averaging.
 
-On NCCL :func:`dcomm.averaging.average_parameters` averages each parameter in its own storage,
-in one grouped launch, and each allreduce of that launch pays a fixed cost above its bytes: a
-model of many medium-sized tensors (a narrow 48-layer GPT's 581) averaged at 3.3x a raw
-allreduce of the same bytes on 2x H200. Parameters that lie back to back in one storage are
-averaged as one message instead (1.12x there, 1.00-1.02x on larger tensors), with no extra
-memory. :func:`flatten_parameters` makes them so, once, before training: every parameter keeps
-its identity (``param.data`` is replaced by a view of the buffer), its values, shape and strides.
+:func:`dcomm.averaging.average_parameters` sends a model's small parameters through staging
+buckets (a copy each way) and its large ones one collective each; for a model of many tensors
+that is many copies and collectives per call. Parameters that lie back to back in one storage are
+averaged as one tensor, in place, with no copy and no extra memory. :func:`flatten_parameters`
+lays them out so, once, before training: every parameter keeps its identity (``param.data`` is
+replaced by a view of the buffer), its values, shape and strides. It is the way to make averaging
+as fast as one raw allreduce for a model that allows it (one whose parameters are not rebound
+later, e.g. by ``load_state_dict(..., assign=True)``, and are not sharded).
 
 Example::
 
@@ -30,15 +31,24 @@ __all__ = ["flatten_parameters"]
 def flatten_parameters(module: nn.Module) -> list[torch.Tensor]:
     """Make ``module``'s parameters views of one flat buffer per ``(device, dtype)``, in registration order.
 
-    Call it once before wrapping the module (DDP) and before building its optimizer; optimizers
-    already built keep working (each parameter stays the same object). Values, shapes and
-    strides (channels-last included) are kept, and a parameter registered twice (tied weights)
-    gets one place. Gradients are left as they are. Returns the buffers, one per ``(device,
-    dtype)`` in order of first appearance; :func:`dcomm.averaging.average_parameters` then sends
-    each as one allreduce on NCCL, in place.
+    Call it once, on every rank, before wrapping the module (DDP) and before building its
+    optimizer; optimizers already built keep working (each parameter stays the same object).
+    Values, shapes and strides (channels-last included) are kept, and a parameter registered
+    twice (tied weights) gets one place. Gradients are left as they are.
+    :func:`dcomm.averaging.average_parameters` then averages each buffer as one tensor in place
+    (one allreduce per buffer), in whatever order the parameters are passed (a model's
+    ``parameters()``, an optimizer's param groups through an averager); parameters left out of a
+    call (no gradient) split their buffer into runs around them.
 
-    Raises ``ValueError`` for a module without parameters, a parameter on the meta device or one
-    whose layout has gaps or overlaps (nothing is changed then).
+    Args:
+        module: the model whose parameters are averaged.
+
+    Returns:
+        The buffers, one per ``(device, dtype)`` in order of first appearance.
+
+    Raises:
+        ValueError: a module without parameters, a parameter on the meta device or one whose
+            layout has gaps or overlaps (nothing is changed then).
 
     Example::
 

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from dcomm.averaging.averagers import ModelAverager, check_warmup_steps
 from dcomm.averaging.parameters import (
     DEFAULT_BUCKET_CAP_MB,
-    _check_bucket_cap_mb,
     average_parameters_or_parameter_groups,
+    check_bucket_cap_mb,
 )
 from dcomm.core import get_logger, member_size, subgroups_of_size
 
@@ -149,20 +149,37 @@ def _check_splittable(checked: OrderedDict[int, int], world: int) -> None:
 class HierarchicalModelAverager(ModelAverager):
     """Average within nested groups at different periods (hierarchical SGD).
 
-    At a call with ``step >= warmup_steps``, the group of the largest period in
-    ``period_group_size_dict`` that divides ``step`` averages; ``step`` increments every call.
-    Rejected with a ``ValueError`` (argument, value, fix): an empty map, a period or group size
-    below 1, periods that do not increase, a group size that does not divide the size of
-    ``process_group`` (WORLD when None) or a last size different from it, a negative
-    ``warmup_steps``; with a ``TypeError``: a map that is not a mapping, a period or group size
-    that is not an int. A largest period of 1 warns, as torch does. Group creation is collective:
-    every rank of the default group must build the averager. A ``process_group`` smaller than the
-    world may only be given with group sizes all equal to its size (nothing to create); smaller
-    sizes raise on every member before any group is created, since the ranks outside it cannot
-    take part in creating the subgroups.
+    Ranks that share a fast link (a node) can average often; the whole job, over a slow link,
+    rarely. ``period_group_size_dict`` says how often each group size averages: with
+    ``{4: 8, 16: 32}`` on 32 ranks, groups of 8 consecutive ranks average every 4 steps and all
+    32 every 16 steps (then only the 32: the larger group contains the smaller ones). At a call
+    with ``step >= warmup_steps``, the group of the largest period that divides ``step``
+    averages; none when no period divides it. ``step`` increments every call. Call it after
+    ``optimizer.step()`` (or wrap the optimizer in :class:`PostLocalSGDOptimizer`).
 
-    Attributes match torch's: ``period_process_group_dict`` maps each period to the group of
-    this rank, ``warmup_steps``, ``process_group``, ``step``.
+    Group creation is collective: every rank of the default group must build the averager, with
+    the same map. Attributes match torch's: ``period_process_group_dict`` maps each period to the
+    group of this rank, ``warmup_steps``, ``process_group``, ``step``; ``state_dict()`` and
+    ``load_state_dict()`` resume the schedule.
+
+    Args:
+        period_group_size_dict: an ordered map period -> group size; periods increase, sizes
+            divide the size of ``process_group`` and the last one equals it.
+        warmup_steps: calls before the first averaging (the post-local SGD hook's
+            ``start_localSGD_iter``).
+        process_group: the top of the hierarchy; WORLD when None. A group smaller than the
+            world only with group sizes all equal to its size (nothing to create: the ranks
+            outside it cannot take part in creating subgroups).
+        bucket_cap_mb: the bound on each averaging's extra memory (see :func:`average_parameters`).
+
+    Raises:
+        ValueError: an empty map, a period or group size below 1, periods that do not increase,
+            a group size that does not divide the group or a last size other than it, a
+            negative ``warmup_steps``, subgroups of a group smaller than the world, a rank
+            outside ``process_group``: on every rank alike, before any group is created.
+        TypeError: a map that is not a mapping, a period or group size that is not an int.
+
+    A largest period of 1 warns, as torch does (plain DDP is cheaper).
 
     Example::
 
@@ -186,7 +203,7 @@ class HierarchicalModelAverager(ModelAverager):
             "build the HierarchicalModelAverager only on the ranks of process_group, or pass a group holding this rank",
         )
         self.warmup_steps: int = check_warmup_steps(warmup_steps)
-        self.bucket_cap_mb = _check_bucket_cap_mb(bucket_cap_mb)
+        self.bucket_cap_mb = check_bucket_cap_mb(bucket_cap_mb)
         checked = _validate(period_group_size_dict, world)
         _check_splittable(checked, world)
         self._periods: list[int] = list(checked)
@@ -202,6 +219,12 @@ class HierarchicalModelAverager(ModelAverager):
 
     def process_group_at(self, step: int) -> dist.ProcessGroup | None:
         """The group that averages at ``step``, or None when this step does not average.
+
+        Args:
+            step: a value of the averager's step counter.
+
+        Returns:
+            This rank's group of the largest period dividing ``step`` (past warm-up), or None.
 
         Example::
 
@@ -219,6 +242,10 @@ class HierarchicalModelAverager(ModelAverager):
         self, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, torch.nn.Parameter]]
     ) -> None:
         """Average ``params`` (parameters or param groups) in this step's group; increment ``step``.
+
+        Args:
+            params: a module's parameters or an optimizer's param groups (those with a gradient
+                are averaged).
 
         Example::
 

@@ -1,40 +1,12 @@
-"""In-place parameter averaging without a flat copy of the model: the collective behind every averager.
+"""Parameter averaging in place, with at most one bucket of extra memory: the collective behind every averager.
 
-:func:`average_parameters` replaces each given parameter by its mean over a process group without
-ever building a flat copy of the model. Parameters are grouped by ``(device, dtype)``; each group
-takes one of two paths:
-
-* **In place, at most ``bucket_cap_mb`` extra** -- GPU tensors on an NCCL group: every parameter
-  of 1 MiB or more is allreduced in its own storage (fp32/fp64/bf16 with NCCL's ``AVG``; fp16
-  divided in place with ``torch._foreach_div_`` around a ``SUM``), through the group's coalesced
-  allreduce: one grouped NCCL launch for up to 1024 parameters. Parameters that lie back to back
-  in one storage (a flattened model) are one allreduce. Each collective in a grouped launch
-  costs a few microseconds of host and device time whatever its size, so the smaller
-  parameters (norms, biases, a CNN's early convolutions, a narrow transformer's projections) are
-  streamed instead through at most ``bucket_cap_mb`` of staging by a table of their addresses
-  (:class:`dcomm.core.tensor_table.TensorTable`, built once): one Triton launch packs a run of
-  them, one allreduce averages it, one launch copies it back, whatever the number of tensors.
-  Without Triton, the small parameters (64 KiB or less) are packed into one buffer of at most
-  1 MiB instead.
-* **Buckets, at most ``bucket_cap_mb`` extra** -- everywhere else (gloo and CPU parameters, or
-  GPU parameters that alias one another): parameters are streamed through a bounded staging
-  area: pack a slice into a flat buffer, divide, allreduce (``SUM``), copy back into the
-  parameters' own storage. When a group is larger than one bucket the staging area is split
-  into two half-bucket buffers so that packing bucket ``i + 1`` overlaps the allreduce of
-  bucket ``i``.
-
-On NCCL (unless ``DCOMM_CUDA_GRAPHS=0``, set alike on every rank), a call on the in-place path that
-repeats the last ones (the same parameters in the same storage, as a periodic averager passes
-them) is replayed from the third call on as one CUDA graph of all its kernels and collectives
-(:func:`_replayed`): its host time no longer grows with the number of parameters.
-
-The pieces live beside this module, one concept each: ``_layout`` (memory-order views, aliasing,
-back-to-back runs), ``_in_place`` (the NCCL path), ``_buckets`` (the bounded staging path) and
-``_recipes`` (the checks and decisions of a call, kept for the next call, and their replay).
-
-Either way parameters keep their storage (optimizers and views that hold them stay valid) and
-their dtype (a bf16 parameter is averaged in bf16, never promoted), and the arithmetic is the
-same up to the last bit: :func:`dcomm.core.plan_average` decides it for both paths.
+:func:`average_parameters` replaces each given parameter by its mean over a process group, with
+the same arithmetic as torch's ``average_parameters`` (divide by the group size, then ``SUM``; a
+list of several floating dtypes in their promotion) but without torch's flat copy of the whole
+model: large parameters are averaged in their own storage, the others through staging buckets
+of at most ``bucket_cap_mb`` (see :mod:`dcomm.averaging._buckets`). Before the first call on a new
+parameter list, the ranks check in one small collective that they all pass alike parameters
+(:mod:`dcomm.averaging._agreement`), so a mismatch is one clear error on every rank, never a hang.
 
 Example::
 
@@ -44,39 +16,193 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import functools
+import operator
+import weakref
 from collections.abc import Iterable
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from dcomm.averaging import _agreement
-from dcomm.averaging._recipes import (
-    _average_on_device,
-    _call_key,
-    _keep,
-    _Paths,
-    _prepare,
-    _recipe_for,
-    _replayed,
-    _signature,
-)
-from dcomm.core import resolve_group
+from dcomm.averaging._agreement import AgreedSignatures, CallSignature, Problem, agree
+from dcomm.averaging._buckets import DevicePlan, Piece, average_device, plan_device
+from dcomm.averaging._layout import memory_order_view
+from dcomm.core import plan_average, reduced_by_nccl, resolve_group
 from dcomm.core.validation import positive_number
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
     "average_parameters",
-    "get_params_to_average",
     "average_parameters_or_parameter_groups",
+    "check_bucket_cap_mb",
+    "get_params_to_average",
 ]
 
 DEFAULT_BUCKET_CAP_MB = 25.0
-"""Default bound, in MiB, on the extra memory one :func:`average_parameters` call allocates."""
+"""Default bound, in MiB, on the extra memory one :func:`average_parameters` call allocates (DDP's bucket size)."""
+
+PLANS_KEPT = 8
+"""Plans kept per process group: the parameter lists averaged last (a model, its param groups, a second model)."""
 
 
-def _check_bucket_cap_mb(bucket_cap_mb: object) -> float:
+def check_bucket_cap_mb(bucket_cap_mb: object) -> float:
+    """``bucket_cap_mb`` as a float, or the error naming it.
+
+    Args:
+        bucket_cap_mb: the bound on staging memory, in MiB.
+
+    Returns:
+        The bound.
+
+    Raises:
+        TypeError: not a number (a bool is not one).
+        ValueError: not positive.
+
+    Example::
+
+        >>> check_bucket_cap_mb(8)
+        8.0
+    """
     return positive_number("bucket_cap_mb", bucket_cap_mb, f"pass a bound in MiB, e.g. {DEFAULT_BUCKET_CAP_MB:g}")
+
+
+class _CallPlan(NamedTuple):
+    """What a call does: per device, its floating-point parameters' plan; the integer ones; the signature."""
+
+    devices: tuple[DevicePlan, ...]
+    integers: tuple[int, ...]
+    signature: CallSignature
+
+
+_PLANS: weakref.WeakKeyDictionary[dist.ProcessGroup, collections.OrderedDict[Any, _CallPlan]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per process group (gone with it), the plans of its last parameter lists, most recent last."""
+
+_AGREED = AgreedSignatures()
+
+_dtype_of = operator.attrgetter("dtype")
+
+
+def _plan_key(params: list[torch.Tensor], cap_bytes: float) -> tuple[Any, ...] | None:
+    """What must not change for a plan to hold: each parameter's address, size and dtype (None: no address)."""
+    try:
+        addresses = tuple(map(torch.Tensor.data_ptr, params))
+    except (RuntimeError, TypeError):  # a sparse tensor, or not a tensor: no plan is kept (its check raises)
+        return None
+    return (cap_bytes, addresses, tuple(map(torch.Tensor.numel, params)), tuple(map(_dtype_of, params)))
+
+
+def _problem(param: torch.Tensor, nccl_group: bool) -> str | None:
+    """Why ``param`` cannot be averaged, or None."""
+    if not isinstance(param, torch.Tensor):
+        return f"params: got an item of type {type(param).__name__}; pass tensors (a model's parameters)"
+    if param.layout != torch.strided:
+        return (
+            f"params: a parameter of shape {tuple(param.shape)} has the {param.layout} layout; average_parameters "
+            "averages dense tensors: convert it with param.data = param.data.to_dense()"
+        )
+    if param.device.type == "meta":
+        return (
+            f"params: a parameter of shape {tuple(param.shape)} is on the meta device and holds no data; "
+            "materialize the model first (model.to_empty(device=...) and load its weights)"
+        )
+    if param.is_complex():
+        return (
+            f"params: a parameter has the complex dtype {param.dtype}; average its real view instead "
+            "(torch.view_as_real(param))"
+        )
+    if nccl_group and param.device.type == "cpu":
+        return (
+            "params: a parameter is on the CPU but process_group uses the 'nccl' backend, which only reduces "
+            "GPU tensors; move the parameters to the GPU or create the group with backend='cpu:gloo,cuda:nccl'"
+        )
+    if param.is_floating_point() and memory_order_view(param) is None:
+        return (
+            f"params: a parameter of shape {tuple(param.shape)} and strides {param.stride()} has gaps or "
+            "overlaps in memory, so it cannot be averaged in place; make it contiguous first "
+            "(param.data = param.data.contiguous())"
+        )
+    return None
+
+
+def _make_plan(params: list[torch.Tensor], group: dist.ProcessGroup, cap_bytes: float) -> _CallPlan | Problem:
+    """Check every parameter and plan the call, or the first problem found (nothing is averaged then)."""
+    if not params:
+        return Problem(
+            "ValueError",
+            "params: got no parameters to average; pass the same non-empty parameters on every rank of the "
+            "group (for param groups, only parameters with a gradient are averaged: call it after backward)",
+        )
+    nccl_group = str(dist.get_backend(group)) == "nccl"
+    floats: dict[torch.device, list[int]] = {}
+    integers: list[int] = []
+    seen: set[int] = set()
+    for index, param in enumerate(params):
+        problem = _problem(param, nccl_group)
+        if problem is not None:
+            return Problem("ValueError", problem)
+        if id(param) in seen or param.numel() == 0:
+            continue
+        seen.add(id(param))
+        if param.is_floating_point():
+            floats.setdefault(param.device, []).append(index)
+        else:
+            integers.append(index)
+    devices = []
+    if floats:
+        # One dtype for the whole list, as torch.cat makes it in torch's average_parameters.
+        dtype = functools.reduce(torch.promote_types, {params[i].dtype for ids in floats.values() for i in ids})
+        world = dist.get_world_size(group)
+        # NCCL's AVG multiplies by 1 / world inside the sum: torch's bits where that is exact.
+        exact_avg = world & (world - 1) == 0
+        for device, indices in floats.items():
+            average = plan_average(
+                group, dtype, device, arithmetic="predivide", nccl_average=exact_avg, nccl_premul=False
+            )
+            grouped = reduced_by_nccl(group, device)
+            devices.append(plan_device(params, indices, dtype, cap_bytes, grouped, average))
+    described = tuple((p.numel(), str(p.dtype), p.device.type) for p in params)
+    layout = tuple((str(d.dtype), _numels(params, d.in_place), d.bucket_numels) for d in devices)
+    return _CallPlan(tuple(devices), tuple(integers), CallSignature(cap_bytes, described, layout))
+
+
+def _numels(params: list[torch.Tensor], pieces: tuple[Piece, ...]) -> tuple[int, ...]:
+    return tuple(params[p.param].numel() if p.length < 0 else p.length for p in pieces)
+
+
+def _fail_together(group: dist.ProcessGroup, problem: Problem) -> NoReturn:
+    """Raise ``problem`` on every rank of ``group`` (the peers learn of it in their check)."""
+    agree(group, problem, None)
+    raise AssertionError("agree raises where a rank has a problem")
+
+
+def _plan_for(params: list[torch.Tensor], group: dist.ProcessGroup, bucket_cap_mb: object) -> _CallPlan:
+    """The call's plan, kept from an earlier call with the same parameters or made and agreed now."""
+    try:
+        cap_bytes = check_bucket_cap_mb(bucket_cap_mb) * 2**20
+    except (TypeError, ValueError) as error:
+        _fail_together(group, Problem(type(error).__name__, str(error)))
+    key = _plan_key(params, cap_bytes)
+    plans = _PLANS.setdefault(group, collections.OrderedDict())
+    plan = plans.get(key) if key is not None else None
+    if plan is None:
+        made = _make_plan(params, group, cap_bytes)
+        if isinstance(made, Problem):
+            _fail_together(group, made)
+        plan = made
+    # Looked up on every call, so that every rank keeps (and drops) the same agreed signatures.
+    if not _AGREED.contains(group, plan.signature):
+        agree(group, None, plan.signature)
+        _AGREED.add(group, plan.signature)
+    if key is not None:
+        plans[key] = plan
+        plans.move_to_end(key)
+        while len(plans) > PLANS_KEPT:
+            plans.popitem(last=False)
+    return plan
 
 
 def _average_integers(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
@@ -98,53 +224,6 @@ def _average_integers(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> 
             tensor.copy_(mean.view_as(tensor))
 
 
-def _average_parameters(
-    params: Iterable[torch.Tensor],
-    process_group: dist.ProcessGroup | None,
-    bucket_cap_mb: float,
-    paths: _Paths | None = None,
-) -> None:
-    """:func:`average_parameters` with its paths chosen by ``paths``.
-
-    The checks and path decisions of a call are kept (as indices) and reused while the next call
-    passes the same parameters with the same storage: a periodic averager pays them once.
-    """
-    cap_bytes = _check_bucket_cap_mb(bucket_cap_mb) * 2**20
-    group = resolve_group(process_group)
-    if dist.get_rank(group) < 0:  # not a member: nothing to average here
-        return
-    paths = paths or _Paths()
-    # Never more than a bucket; a staged tensor fits half of one (the two pipelined buffers).
-    paths = paths._replace(
-        pack_max_bytes=min(paths.pack_max_bytes, int(cap_bytes)), stage_run_bytes=int(cap_bytes // 2)
-    )
-    params = list(params)
-    key = _call_key(params, group, paths)
-    digest, recipe = _recipe_for(key)
-    signature = recipe.signature if recipe is not None else _signature(params, paths)
-    # Looked up on every call, so every rank agrees at the same calls whatever its kept recipes.
-    agreement = _agreement.lookup(group, signature)
-    if recipe is not None and recipe.agreement is not agreement:
-        recipe = None  # made under an agreement dropped since (or, if None, about to be made again)
-    dense: dict[torch.device, list[list[torch.Tensor]]] = {}
-    if recipe is None:
-        recipe, dense = _prepare(params, group, paths, signature, agreement)
-        if agreement is None:  # the ranks have just agreed
-            _agreement.keep(group, signature, recipe.agreement)
-    if key is not None and digest is not None:
-        _keep(digest, key, recipe)
-    graph_key = digest if paths.graphs else None
-    with torch.no_grad():
-        for device_recipe in recipe.devices:
-            average = functools.partial(
-                _average_on_device, device_recipe, params, group, cap_bytes, paths, dense.get(device_recipe.device)
-            )
-            if not _replayed(graph_key, device_recipe, group, average):
-                average()
-        if recipe.integers:
-            _average_integers([params[i].detach() for i in recipe.integers], group)
-
-
 def average_parameters(
     params: Iterable[torch.Tensor],
     process_group: dist.ProcessGroup | None = None,
@@ -153,65 +232,88 @@ def average_parameters(
 ) -> None:
     """Replace every parameter in ``params`` by its mean over ``process_group``, in place.
 
-    ``process_group`` defaults to WORLD; on a rank outside it this changes nothing. Parameters may
-    live on several devices and have several dtypes: each ``(device, dtype)`` group is averaged in
-    its own dtype. GPU parameters on an NCCL group are divided and allreduced in their own
-    storage: one allreduce for parameters that lie back to back in memory (views of one storage,
-    or separate parameters in one CUDA allocation, as the caching allocator places most of a
-    model's; the ranks join only what every rank can), one grouped NCCL launch for up to 1024 of
-    the others of 1 MiB or more; the smaller ones are streamed through at
-    most ``bucket_cap_mb`` of staging, a few allreduces in all (with Triton; without it the ones
-    of 64 KiB or less are packed into at most 1 MiB). Elsewhere
-    (gloo, CPU) they go through buckets of at most ``bucket_cap_mb`` MiB of extra memory per
-    device (a parameter larger than a bucket is split across buckets); so do GPU parameters that
-    alias one another. A dense non-contiguous layout (channels-last) is averaged through its
-    memory-order flat view, which is contiguous, on either path. The reduce op and divisions come
-    from :func:`dcomm.core.plan_average`: fp32/fp64/fp16 are divided by the group size before the
-    ``SUM`` (as torch does; an fp16 sum cannot overflow), bf16 after it; on NCCL,
-    ``ReduceOp.AVG`` averages fp32/fp64/bf16 inside the collective. Integer and bool tensors
-    (BatchNorm's ``num_batches_tracked``) get their mean truncated toward zero, as torch gives
-    them (torch computes it in floating point; here the sum is exact). No device synchronize: on
-    CUDA the current stream waits for each allreduce, so later work on that stream sees the
-    averaged values.
+    The result is torch's ``average_parameters``' to the bit where the two send the same message
+    (always at two ranks): each value is divided by the group size, then summed over the group, in
+    the parameters' dtype; a list of several floating dtypes is averaged in their promotion (fp16
+    and bf16 in float32), as torch's ``torch.cat`` does. Unlike torch, the parameters keep their
+    storage and dtype (optimizers and views that hold them stay valid), and the extra memory is at
+    most ``bucket_cap_mb``, never a copy of the whole model:
 
-    Every rank of the group must pass the same parameters in the same order, laid out alike (views
-    of one buffer on one rank are views of one buffer on every rank, as the same model code gives).
-    On NCCL the ranks agree which parameters to join in one small collective the first time they
-    pass parameters of these sizes and dtypes; a rank whose parameters get new storage later
-    (``param.data = ...``, ``load_state_dict(..., assign=True)``), on its own or with the others,
-    keeps what was agreed, averaging parameters no longer back to back through a buffer. So does
-    a second list of the same sizes and dtypes averaged over the same group object (a flattened
-    copy of the model, a second model of the same shapes): it follows the first list's joins, and
-    copies those its own memory breaks; average it over a group of its own
-    (``dist.new_group(ranks)``) to have joins of its own.
-    Everything is checked before the first collective, so a bad parameter raises with nothing
-    averaged: an empty ``params`` (torch raises too; the peers would otherwise wait for this rank),
-    a sparse, meta or complex tensor, a CPU tensor on an NCCL group.
+    * a parameter of at least 1 MiB (or half the cap, if smaller), or a run of parameters lying
+      back to back in one storage (:func:`flatten_parameters` makes a model one run per dtype),
+      is averaged in its own storage: on NCCL in one grouped launch, elsewhere one allreduce each;
+    * the others are copied, in order, into staging buckets (one of the staged bytes if they fit
+      in the cap, else two of half the cap that alternate), averaged there and copied back.
 
-    On NCCL, from the third call with the same parameters in the same storage, the in-place
-    average is captured once as a CUDA graph and replayed (every eighth call stays eager, so that
-    the NCCL watchdog keeps timing a collective); the graph keeps the small parameters' staging
-    (at most ``bucket_cap_mb``) reserved while it lives, and is released when a process group is
-    destroyed and at exit. ``DCOMM_CUDA_GRAPHS=0``, set alike on every rank, turns it off.
+    On NCCL at a power-of-two group size, fp32, fp64 and bf16 use ``ReduceOp.AVG`` (the same bits,
+    one division pass fewer). Integer and bool tensors (BatchNorm's ``num_batches_tracked``) get
+    their mean truncated toward zero, as torch gives them, but from an exact int64 sum. Tied
+    parameters (one object passed twice) are averaged once. Nothing waits on the host on CUDA:
+    the current stream waits for each collective. On a rank outside ``process_group`` nothing
+    changes.
+
+    The call is a collective: every rank of the group must pass the same parameters (sizes,
+    dtypes, devices, order, memory layout) and the same ``bucket_cap_mb``. The first call with a
+    new list spends one small collective to check that; a difference, or a parameter that cannot
+    be averaged on any rank, raises the same error on every rank, naming the rank, before any
+    value changes. Later calls with the same list cost no check (a list that later differs on
+    some ranks only is not caught).
+
+    For a model of many small tensors, :func:`flatten_parameters` (once, before training) makes
+    each call one allreduce per dtype, in place.
+
+    Args:
+        params: the tensors to average (a module's ``parameters()``, or any tensors).
+        process_group: the group to average over; WORLD when None.
+        bucket_cap_mb: the bound on extra memory, in MiB (default 25, as DDP's buckets).
+
+    Raises:
+        ValueError: on every rank of the group, when a rank passes no parameters, a meta, sparse
+            or complex tensor, a layout with gaps, a CPU tensor on an NCCL group, or parameters
+            that differ from another rank's; or ``bucket_cap_mb`` is not positive.
+        TypeError: ``bucket_cap_mb`` is not a number.
 
     Example::
 
-        >>> average_parameters(model.parameters(), None)  # doctest: +SKIP
+        >>> average_parameters(model.parameters())  # every rank of WORLD  # doctest: +SKIP
+        >>> average_parameters(model.parameters(), node_group, bucket_cap_mb=8)  # doctest: +SKIP
     """
-    _average_parameters(params, process_group, bucket_cap_mb)
+    group = resolve_group(process_group)
+    if dist.get_rank(group) < 0:  # not a member: nothing to average here
+        return
+    params = list(params)
+    plan = _plan_for(params, group, bucket_cap_mb)
+    with torch.no_grad():
+        for device_plan in plan.devices:
+            average_device(device_plan, params, group)
+        if plan.integers:
+            _average_integers([params[i].detach() for i in plan.integers], group)
 
 
 def get_params_to_average(
     params: Iterable[torch.nn.Parameter] | Iterable[dict[str, torch.nn.Parameter]],
 ) -> list[torch.nn.Parameter]:
-    """The parameters in ``params`` that have a gradient, in order.
+    """The parameters in ``params`` that have a gradient, in order (torch's rule, torch's result).
 
-    ``params`` is a module's parameters or an optimizer's param groups (dicts with ``"params"``);
-    parameters whose ``.grad`` is None (frozen, or unused this step) are skipped.
+    Parameters whose ``.grad`` is None (frozen, or unused this step) are skipped: averaging them
+    would undo nothing a local step did. Every rank must skip the same ones (the averaging that
+    follows checks it on its first call with a new list).
+
+    Args:
+        params: a module's parameters, or an optimizer's param groups (dicts with ``"params"``).
+
+    Returns:
+        The parameters with a gradient.
+
+    Raises:
+        NotImplementedError: an item is neither a tensor nor a param group (torch's exception type).
 
     Example::
 
-        >>> get_params_to_average(optimizer.param_groups)  # doctest: +SKIP
+        >>> model = torch.nn.Linear(2, 1)
+        >>> model.weight.grad = torch.zeros_like(model.weight)
+        >>> get_params_to_average(model.parameters()) == [model.weight]
+        True
     """
     chosen: list[torch.nn.Parameter] = []
     for item in params:
@@ -234,10 +336,23 @@ def average_parameters_or_parameter_groups(
     *,
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
 ) -> None:
-    """Average a module's parameters or an optimizer's param groups that have a gradient.
+    """Average, in place, the parameters in ``params`` that have a gradient (see :func:`get_params_to_average`).
+
+    What every averager calls at a step that averages.
+
+    Args:
+        params: a module's parameters, or an optimizer's param groups.
+        process_group: the group to average over; WORLD when None.
+        bucket_cap_mb: the bound on extra memory, in MiB (see :func:`average_parameters`).
+
+    Raises:
+        NotImplementedError: an item is neither a tensor nor a param group.
+        ValueError, TypeError: as :func:`average_parameters`, on every rank of the group.
 
     Example::
 
-        >>> average_parameters_or_parameter_groups(optimizer.param_groups, None)  # doctest: +SKIP
+        >>> loss.backward()  # doctest: +SKIP
+        >>> optimizer.step()  # doctest: +SKIP
+        >>> average_parameters_or_parameter_groups(optimizer.param_groups)  # doctest: +SKIP
     """
     average_parameters(get_params_to_average(params), process_group, bucket_cap_mb=bucket_cap_mb)

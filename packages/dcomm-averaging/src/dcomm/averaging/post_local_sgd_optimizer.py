@@ -41,9 +41,18 @@ NO_STEP_WARNING = "Loaded state dict does not contain a step counter for an aver
 class PostLocalSGDOptimizer(WrappingOptimizer):
     """Run ``optim.step()`` then ``averager.average_parameters(optim.param_groups)``.
 
-    ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's. ``state_dict()`` is
-    the wrapped optimizer's plus ``"step"``: the averager's step. ``load_state_dict()`` restores
-    both; without ``"step"`` it warns and starts the averager from 0, as torch does.
+    Post-local SGD trains with plain data parallelism for a warm-up, then lets each rank step on
+    its own and averages the models every few steps (the averager's schedule): fewer
+    communications, usually with little loss of accuracy. This optimizer is the second half: the
+    local step and the averaging, in one ``step()``. ``param_groups``, ``state`` and
+    ``defaults`` are the wrapped optimizer's. ``state_dict()`` is the wrapped optimizer's plus
+    ``"step"``: the averager's step. ``load_state_dict()`` restores both; without ``"step"`` it
+    warns and starts the averager from 0, as torch does.
+
+    Args:
+        optim: the local optimizer (any ``torch.optim.Optimizer``).
+        averager: the averager that follows each step (:class:`PeriodicModelAverager`,
+            :class:`HierarchicalModelAverager`).
 
     Example::
 
@@ -82,6 +91,13 @@ class PostLocalSGDOptimizer(WrappingOptimizer):
         part before it changes, so a bad checkpoint leaves both the optimizer and the averager as
         they were.
 
+        Args:
+            state_dict: what :meth:`state_dict` returned.
+
+        Raises:
+            TypeError, ValueError: ``"step"`` is not a non-negative int; or the wrapped optimizer's
+                own errors.
+
         Example::
 
             >>> opt.load_state_dict(torch.load(path))  # doctest: +SKIP
@@ -94,6 +110,12 @@ class PostLocalSGDOptimizer(WrappingOptimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Step the wrapped optimizer (with ``closure`` if given), then the averager.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (for optimizers that need it).
+
+        Returns:
+            The wrapped optimizer's return value (the loss from ``closure``, or None).
 
         Example::
 

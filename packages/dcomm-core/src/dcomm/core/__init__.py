@@ -9,7 +9,7 @@ Example::
 
 from dcomm.core.__about__ import __version__
 from dcomm.core._torch_private import foreach_copy_, foreach_div_, foreach_sub_, storage_at, views_like
-from dcomm.core.averaging import AveragePlan, average_sync, plan_average
+from dcomm.core.average_plan import AveragePlan, average_sync, plan_average
 from dcomm.core.collectives import (
     all_gather_single,
     allreduce_future,

@@ -1,20 +1,19 @@
 """An average that repeats on the same tensors, replayed as one CUDA graph: one launch instead of dozens.
 
 Work that repeats on the same tensors every call (a quantized hook's bucket, with its error
-memories and buffers; :func:`dcomm.averaging.average_parameters` on the same parameters) costs
-host time per kernel and per collective, often more than the device time on a fast link.
-:class:`CapturedAverages` records it once per key in a CUDA graph (NCCL collectives included)
-after a few eager calls and replays it on a side stream; the caller's stream waits for it.
+memories and buffers) costs host time per kernel and per collective, often more than the device
+time on a fast link. :class:`CapturedAverages` records it once per key in a CUDA graph (NCCL
+collectives included) after a few eager calls and replays it on a side stream; the caller's
+stream waits for it. dcomm-ddp's int8/fp8 hooks use it.
 
 The process group's watchdog never sees a collective replayed in a graph, so a rank that died
 would leave the others waiting in NCCL for good. The caller marks calls as watched (DDP's
-bucket 0, the first it hands over; every ``average_parameters`` call); every
-:data:`WATCHED_EVERY`-th watched call runs eagerly instead (the same results), so the watchdog
-always has a recent collective to time out on.
+bucket 0, the first it hands over); every :data:`WATCHED_EVERY`-th watched call runs eagerly
+instead (the same results), so the watchdog always has a recent collective to time out on.
 
-A graph is keyed by what it touches (a bucket's index, size and address; a parameter list's
-recipe); whoever replaces a tensor a graph reads or writes calls :meth:`CapturedAverages.forget`
-or :meth:`CapturedAverages.clear`. The graphs share one memory pool: they replay one at a time
+A graph is keyed by what it touches (a bucket's index, size and address); whoever replaces a
+tensor a graph reads or writes calls :meth:`CapturedAverages.forget` or
+:meth:`CapturedAverages.clear`. The graphs share one memory pool: they replay one at a time
 on the one side stream, and none leaves a tensor behind. A capture that fails turns the graphs
 off for good, with one warning naming ``owner``; the work then runs eagerly as before.
 ``DCOMM_CUDA_GRAPHS=0`` (:data:`SWITCH`) turns them off from the next call.

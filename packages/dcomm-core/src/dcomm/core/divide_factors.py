@@ -22,7 +22,18 @@ def divide_factors(world_size: int) -> tuple[float, float]:
     """Return ``(pre, post)`` with ``pre * post == world_size``.
 
     ``pre`` starts at 1 and doubles while ``world_size % pre == 0`` and ``world_size / pre > pre``
-    (the rule of torch's FSDP hooks); ``post = world_size / pre``. Apply each only when > 1.
+    (the rule of torch's FSDP hooks); ``post = world_size / pre``. Apply each only when > 1:
+    dividing by ``pre`` before a sum keeps an fp16 sum from overflowing, and by ``post`` after it
+    keeps small values from underflowing.
+
+    Args:
+        world_size: the number of ranks summed over.
+
+    Returns:
+        ``(pre, post)`` as floats.
+
+    Raises:
+        TypeError, ValueError: ``world_size`` is not a positive int.
 
     Example::
 

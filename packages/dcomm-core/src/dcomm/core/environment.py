@@ -31,7 +31,17 @@ _OFF = ("0", "false", "no", "off")
 def switched_on(name: str, default: bool = True) -> bool:
     """Whether the variable ``name`` is anything but ``0``/``false``/``no``/``off`` (any case, spaces).
 
-    ``default`` when it is unset.
+    Args:
+        name: the environment variable.
+        default: the answer when it is unset.
+
+    Returns:
+        True when the switch is on.
+
+    Example::
+
+        >>> switched_on("DCOMM_UNSET_EXAMPLE", default=False)
+        False
     """
     value = os.environ.get(name)
     return default if value is None else value.strip().lower() not in _OFF
@@ -43,6 +53,16 @@ def variable_set(name: str, value: str) -> Iterator[None]:
 
     Touches only ``name``: ``unittest.mock.patch.dict(os.environ, ...)`` rewrites the whole
     environment on exit, which costs up to a millisecond on hosts with long environments.
+
+    Args:
+        name: the environment variable.
+        value: its value inside the block.
+
+    Example::
+
+        >>> with variable_set("DCOMM_EXAMPLE", "0"):
+        ...     switched_on("DCOMM_EXAMPLE")
+        False
     """
     saved = os.environ.get(name)
     os.environ[name] = value

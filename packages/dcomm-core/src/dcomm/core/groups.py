@@ -62,6 +62,17 @@ def subgroups_of_size(
     ``(the subgroup holding this rank, or None outside group; all subgroups)``.
     ``what`` names the argument in error messages.
 
+    Args:
+        size: ranks per subgroup; must divide the size of ``group``.
+        group: the group to split (WORLD when None).
+        what: the argument named in error messages.
+
+    Returns:
+        ``(the subgroup holding this rank, or None outside group; all subgroups)``.
+
+    Raises:
+        ValueError: ``size`` does not divide the group size (on every rank alike).
+
     Example::
 
         >>> mine, groups = subgroups_of_size(2)  # world 4 -> [0, 1], [2, 3]  # doctest: +SKIP
@@ -168,6 +179,16 @@ def node_layout(group: dist.ProcessGroup | None = None, *, host_id: str | None =
     hosts, so no rank goes on to pair its collectives with the wrong peers. The GPU count plays no
     part.
 
+    Args:
+        group: the group whose ranks are laid out (WORLD when None).
+        host_id: this rank's host (default :func:`host_identity`).
+
+    Returns:
+        The global ranks of each node, in order.
+
+    Raises:
+        ValueError: the declared node sizes disagree with each other or with the hosts (every rank).
+
     Example::
 
         >>> node_layout()  # 2 hosts x 2 ranks  # doctest: +SKIP
@@ -199,6 +220,16 @@ def intra_node_subgroups(
     collective). Returns ``(the subgroup holding this rank, or None outside group; all
     subgroups)``. Raises ``ValueError`` on every rank when ``LOCAL_WORLD_SIZE`` differs between
     ranks or does not fit the hosts.
+
+    Args:
+        group: the group to split by node (WORLD when None).
+        host_id: this rank's host (default :func:`host_identity`).
+
+    Returns:
+        ``(the subgroup holding this rank, or None outside group; all subgroups)``.
+
+    Raises:
+        ValueError: ``LOCAL_WORLD_SIZE`` differs between ranks or does not fit the hosts (every rank).
 
     Example::
 

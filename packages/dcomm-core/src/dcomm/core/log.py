@@ -45,6 +45,12 @@ def get_logger(name: str) -> logging.Logger:
 
     Handlers, levels and propagation are the application's, as for any library logger.
 
+    Args:
+        name: the logger's name (the module's ``__name__``).
+
+    Returns:
+        The logger, with a filter that passes rank 0's records (and :func:`log_all_ranks`').
+
     Example::
 
         >>> logger = get_logger(__name__)
@@ -59,6 +65,12 @@ def get_logger(name: str) -> logging.Logger:
 def log_all_ranks(logger: logging.Logger, level: int, msg: str, *args: object) -> None:
     """Log ``msg % args`` on every rank, prefixed with ``[rank N]`` (for per-rank facts).
 
+    Args:
+        logger: a logger from :func:`get_logger`.
+        level: the ``logging`` level.
+        msg: the message, ``%``-formatted with ``args``.
+        args: the values of ``msg``'s placeholders.
+
     Example::
 
         >>> log_all_ranks(get_logger(__name__), logging.INFO, "intra-node group %s", [0, 1])  # doctest: +SKIP
@@ -71,6 +83,14 @@ def warn_once(key: Hashable, message: str, category: type[Warning] = UserWarning
 
     Returns whether it warned. Meant for an algorithm that falls back to a slower path: the
     warning says why and what to change; the algorithm also counts each fallback publicly.
+
+    Args:
+        key: what the warning is about (warned once per key and process).
+        message: what happened and what to change.
+        category: the warning class.
+
+    Returns:
+        Whether it warned now.
 
     Example::
 

@@ -26,6 +26,14 @@ LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
 def cast_for_communication(tensor: torch.Tensor, dtype: torch.dtype, divide_by: float = 1.0) -> torch.Tensor:
     """Return a new ``dtype`` tensor holding ``tensor / divide_by`` (one fused kernel).
 
+    Args:
+        tensor: the values (a gradient bucket, a shard).
+        dtype: the low-precision dtype to send (fp16, bf16).
+        divide_by: the pre-division (1: none).
+
+    Returns:
+        A new tensor of ``dtype``.
+
     Example::
 
         >>> cast_for_communication(torch.ones(2), torch.float16, 2.0)
@@ -47,6 +55,14 @@ def divide_into(out: torch.Tensor, tensor: torch.Tensor, divide_by: float) -> to
     one kernel would compute the quotient in the input's dtype, so a bf16 gradient sent in fp16
     would be rounded to bf16's 8 bits before it reached fp16's 11.
 
+    Args:
+        out: where to write, in its own dtype.
+        tensor: the values.
+        divide_by: the divisor (1: a plain cast-copy).
+
+    Returns:
+        ``out``.
+
     Example::
 
         >>> divide_into(torch.empty(1, dtype=torch.float16), torch.tensor([1.0], dtype=torch.bfloat16), 3.0)
@@ -61,6 +77,14 @@ def divide_into(out: torch.Tensor, tensor: torch.Tensor, divide_by: float) -> to
 
 def copy_back(dst: torch.Tensor, src: torch.Tensor, divide_by: float = 1.0) -> torch.Tensor:
     """Write ``src / divide_by`` into ``dst`` in ``dst``'s own dtype (one fused kernel).
+
+    Args:
+        dst: the tensor to overwrite (a bucket or a gradient, in its own dtype).
+        src: the received values (fp16 or bf16).
+        divide_by: the post-division (1: none).
+
+    Returns:
+        ``dst``.
 
     Example::
 
@@ -78,6 +102,9 @@ def keep_until_stream_done(tensor: torch.Tensor) -> None:
     """Keep ``tensor``'s memory from reuse until the current stream's queued work is done.
 
     A no-op for CPU tensors.
+
+    Args:
+        tensor: a buffer a collective or kernel on the current stream may still read.
 
     Example::
 

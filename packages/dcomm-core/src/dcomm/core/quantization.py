@@ -61,6 +61,15 @@ def _check_format(fmt: str, block_size: int) -> None:
 def max_code(fmt: str) -> float:
     """The largest code magnitude of ``fmt`` (127 for int8, 448 for fp8 e4m3, 7 for int4).
 
+    Args:
+        fmt: ``"int8"``, ``"fp8"`` or ``"int4"``.
+
+    Returns:
+        The largest code magnitude, as a float.
+
+    Raises:
+        ValueError: an unknown ``fmt`` or a ``block_size`` that is not an even int >= 2.
+
     Example::
 
         >>> max_code("fp8")
@@ -73,6 +82,13 @@ def max_code(fmt: str) -> float:
 def num_blocks(numel: int, block_size: int = 256) -> int:
     """Number of blocks holding ``numel`` values (the last one padded).
 
+    Args:
+        numel: the number of values.
+        block_size: values per block.
+
+    Returns:
+        ``ceil(numel / block_size)``.
+
     Example::
 
         >>> num_blocks(1000)
@@ -83,6 +99,17 @@ def num_blocks(numel: int, block_size: int = 256) -> int:
 
 def code_bytes(numel: int, fmt: str, block_size: int = 256) -> int:
     """Bytes of the packed codes (no scales) for ``numel`` values, padded to whole blocks.
+
+    Args:
+        numel: the number of values.
+        fmt: ``"int8"``, ``"fp8"`` (e4m3) or ``"int4"`` (two codes per byte).
+        block_size: values per block (one scale each); an even int, 256 by default.
+
+    Returns:
+        The bytes of the codes.
+
+    Raises:
+        ValueError: an unknown ``fmt`` or a ``block_size`` that is not an even int >= 2.
 
     Example::
 
@@ -96,6 +123,17 @@ def code_bytes(numel: int, fmt: str, block_size: int = 256) -> int:
 
 def payload_bytes(numel: int, fmt: str, block_size: int = 256) -> int:
     """Bytes on the wire for ``numel`` quantized values: the codes plus one float32 scale per block.
+
+    Args:
+        numel: the number of values.
+        fmt: ``"int8"``, ``"fp8"`` (e4m3) or ``"int4"`` (two codes per byte).
+        block_size: values per block (one scale each); an even int, 256 by default.
+
+    Returns:
+        The bytes of the codes and the scales.
+
+    Raises:
+        ValueError: an unknown ``fmt`` or a ``block_size`` that is not an even int >= 2.
 
     Example::
 
@@ -210,6 +248,20 @@ def quantize(
     nearest code; ``stochastic=True`` rounds up or down with probability given by the distance
     (unbiased, drawing from ``generator``). Non-finite inputs give non-finite results.
 
+    Args:
+        x: a floating tensor (any shape; flattened).
+        fmt: ``"int8"``, ``"fp8"`` (e4m3) or ``"int4"`` (two codes per byte).
+        block_size: values per block (one scale each); an even int, 256 by default.
+        stochastic: round up or down at random (unbiased) instead of to the nearest code.
+        generator: the random generator of stochastic rounding.
+
+    Returns:
+        ``(payload, scales)``.
+
+    Raises:
+        TypeError: ``x`` is not floating.
+        ValueError: an unknown ``fmt`` or a bad ``block_size``.
+
     Example::
 
         >>> payload, scales = quantize(torch.tensor([1.0, -0.5, 0.0, 0.25]), "int4", block_size=4)
@@ -240,11 +292,26 @@ def dequantize(
     Returns a new 1-D float32 tensor, or, when ``out`` (``numel`` elements, any floating dtype)
     is given, writes the values into it and returns ``out``.
 
+    Args:
+        payload: the codes from :func:`quantize`.
+        scales: the block scales from :func:`quantize`.
+        fmt: ``"int8"``, ``"fp8"`` (e4m3) or ``"int4"`` (two codes per byte).
+        block_size: values per block (one scale each); an even int, 256 by default.
+        numel: how many values to decode (the padding is dropped).
+        out: where to write them, or None for a new float32 tensor.
+
+    Returns:
+        The decoded values (``out`` when given).
+
+    Raises:
+        ValueError: sizes of ``payload``, ``scales`` or ``out`` that do not fit ``numel``, or a bad
+            ``fmt`` or ``block_size``.
+
     Example::
 
         >>> payload, scales = quantize(torch.tensor([2.0, -1.0]), "int8", block_size=2)
-        >>> dequantize(payload, scales, "int8", 2, block_size=2)
-        tensor([ 2., -1.])
+        >>> dequantize(payload, scales, "int8", 2, block_size=2)  # -1 is 63.5 steps of 2/127: rounded
+        tensor([ 2.0000, -1.0079])
     """
     _check_format(fmt, block_size)
     n_blocks = num_blocks(numel, block_size)
@@ -316,6 +383,16 @@ def fused_quantize_with_error(
     three steps, one pass over the memory. Returns False (nothing done) where the kernels do not
     apply: off CUDA, without Triton, for formats other than int8 and fp8, or for other layouts.
 
+    Args:
+        values: the new values (``n`` of them).
+        error: the float32 error memory (at least ``n`` values), updated in place.
+        fmt: ``"int8"`` or ``"fp8"``.
+        block_size: values per block (one block per row).
+        out: the uint8 rows to write.
+
+    Returns:
+        Whether the fused kernel ran.
+
     Example::
 
         >>> fused_quantize_with_error(grad, error, "int8", 256, packed)  # doctest: +SKIP
@@ -349,6 +426,17 @@ def fused_average_rows(
     encode, subtract the decoded codes) up to 4 ranks; beyond, the sum's order may differ from
     torch's by rounding. Returns False (nothing done) off CUDA, without Triton, for formats other
     than int8 and fp8, or for other layouts.
+
+    Args:
+        received: ``world`` stacked chunks of rows.
+        world: the number of chunks (ranks).
+        fmt: ``"int8"`` or ``"fp8"``.
+        block_size: values per block (one block per row).
+        out: the uint8 rows of the encoded mean.
+        error: the float32 error memory of this rank's chunk, or None.
+
+    Returns:
+        Whether the fused kernel ran.
 
     Example::
 
@@ -402,6 +490,19 @@ def quantize_rows(rows: torch.Tensor, fmt: str, block_size: int = 256, out: torc
     ``uint8`` ``[n, payload_bytes(cols)]`` tensor, e.g. rows of a larger send buffer) the codes
     and scales are written straight into it.
 
+    Args:
+        rows: a floating ``[n, cols]`` tensor.
+        fmt: ``"int8"``, ``"fp8"`` (e4m3) or ``"int4"`` (two codes per byte).
+        block_size: values per block (one scale each); an even int, 256 by default.
+        out: the uint8 ``[n, payload_bytes(cols)]`` rows to write, or None for new ones.
+
+    Returns:
+        The encoded rows (``out`` when given).
+
+    Raises:
+        TypeError: ``rows`` is not floating.
+        ValueError: ``cols`` not a multiple of ``block_size``, a bad ``out``, ``fmt`` or ``block_size``.
+
     Example::
 
         >>> quantize_rows(torch.randn(4, 512), "int8").shape  # 512 codes + 2 scales of 4 bytes
@@ -443,6 +544,19 @@ def dequantize_rows(
 
     With ``out`` (``[n, cols]`` of any floating dtype, e.g. a view of the destination) the values
     are written straight into it and ``out`` is returned.
+
+    Args:
+        packed: the rows from :func:`quantize_rows`.
+        fmt: ``"int8"``, ``"fp8"`` (e4m3) or ``"int4"`` (two codes per byte).
+        block_size: values per block (one scale each); an even int, 256 by default.
+        cols: the values per row.
+        out: where to write ``[n, cols]`` values, or None for a new float32 tensor.
+
+    Returns:
+        The decoded rows (``out`` when given).
+
+    Raises:
+        ValueError: ``cols`` not a multiple of ``block_size``, a bad ``fmt`` or ``block_size``.
 
     Example::
 

@@ -5,6 +5,20 @@ wrong type is a ``TypeError``, a value of the right type outside its range a ``V
 Python ``int`` counts as an int (``bool``, floats and tensors do not), the same in a constructor
 and in a checkpoint.
 
+Every validator takes the same arguments and behaves the same way:
+
+Args:
+    name: the argument's name, first in the message (``"period"``, ``"bucket_cap_mb"``).
+    value: what the caller passed.
+    fix: what to do instead, last in the message (``"pass e.g. 4"``).
+
+Returns:
+    ``value``, checked (a number as a float for the number validators).
+
+Raises:
+    TypeError: ``value`` has the wrong type.
+    ValueError: ``value`` has the right type but is out of range.
+
 Example::
 
     >>> from dcomm.core.validation import positive_int

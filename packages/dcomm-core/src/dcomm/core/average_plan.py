@@ -5,7 +5,7 @@ Every averaging in dcomm is a reduction between two divisions: divide by ``pre``
 arithmetic a caller must reproduce:
 
 - ``"predivide"``: divide by the group size, then ``SUM`` (torch's DDP hooks and
-  ``average_parameters``; bit-identical to them).
+  ``average_parameters``: the same operations).
 - ``"split"``: divide by :func:`divide_factors` before and after a ``SUM`` (torch's FSDP
   hooks; keeps fp16 sums from overflowing and small gradients from underflowing).
 - ``"postdivide"``: ``SUM``, then divide by the group size. Exact for bf16 (its exponent range
@@ -44,7 +44,12 @@ _BEST_ARITHMETIC = {torch.bfloat16: "postdivide", torch.float16: "split"}
 
 
 class AveragePlan(NamedTuple):
-    """Divide by ``pre``, reduce with ``op``, divide by ``post`` (a divisor of 1 is skipped)."""
+    """Divide by ``pre``, reduce with ``op``, divide by ``post`` (a divisor of 1 is skipped).
+
+    Example::
+
+        >>> op, pre, post = AveragePlan(dist.ReduceOp.SUM, 4.0, 1.0)
+    """
 
     op: Any
     pre: float
@@ -71,10 +76,23 @@ def plan_average(
 ) -> AveragePlan:
     """The reduce op and divisors that average ``dtype`` tensors on ``device`` over ``group``.
 
-    See the module docstring for ``arithmetic``, ``nccl_average`` and ``nccl_premul``. ``factors``
-    are ``(pre, post)`` divisors chosen by the caller (a hook state's, which a user may set),
-    taken instead of the arithmetic's. One rank needs no communication arithmetic: ``(SUM, 1, 1)``
-    (unless ``factors`` say otherwise).
+    One rank needs no communication arithmetic: ``(SUM, 1, 1)`` (unless ``factors`` say otherwise).
+
+    Args:
+        group: the process group (WORLD when None).
+        dtype: the dtype of the tensors reduced.
+        device: where they are (NCCL-only ops apply to CUDA tensors on an NCCL group).
+        arithmetic: ``"predivide"``, ``"split"``, ``"postdivide"`` or None (see the module docstring).
+        factors: ``(pre, post)`` divisors chosen by the caller (a hook state's, which a user may
+            set), taken instead of the arithmetic's.
+        nccl_average: allow ``ReduceOp.AVG`` for fp32/fp64/bf16 where NCCL reduces.
+        nccl_premul: allow NCCL's pre-multiplied sum to take the pre-division.
+
+    Returns:
+        The :class:`AveragePlan`.
+
+    Raises:
+        ValueError: ``arithmetic`` is not one of :data:`ARITHMETICS` or None.
 
     Example::
 
@@ -109,8 +127,16 @@ def average_sync(
 ) -> torch.Tensor:
     """Apply ``plan``: divide ``tensor``, allreduce it (or reduce-scatter into ``output``), divide the result.
 
-    Synchronous with respect to the current stream. Returns the averaged tensor (``output`` when
-    given, else ``tensor``).
+    Synchronous with respect to the current stream.
+
+    Args:
+        tensor: the tensor to average, changed in place (divided, then reduced).
+        group: the process group (WORLD when None).
+        plan: from :func:`plan_average`.
+        output: where to reduce-scatter ``tensor`` (this rank's shard), or None to allreduce it.
+
+    Returns:
+        The averaged tensor: ``output`` when given, else ``tensor``.
 
     Example::
 

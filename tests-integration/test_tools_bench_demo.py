@@ -27,6 +27,9 @@ EXPECTED_ROWS = {
         "ddp/allreduce C++ vs python",
         "ddp/fp16 C++ vs python",
         "ddp/bf16 C++ vs python",
+        "ddp/allreduce python",
+        "ddp/fp16 python",
+        "ddp/bf16 python",
         "ddp/fp16 grad views",
     },
     "compression": {

@@ -110,4 +110,5 @@ def ddp_case(ctx: Context) -> Case:
         python = f"dcomm {name} python"
         case.variants[python] = lambda name=name: build_ddp(ctx, ("dcomm", name), python=True)
         case.pairs.append(Pair(f"ddp/{name} C++ vs python", f"dcomm {name}", python, "dcomm/reference"))
+        case.pairs.append(Pair(f"ddp/{name} python", python, f"torch {name}", "dcomm/torch"))
     return case

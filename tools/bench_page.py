@@ -62,9 +62,9 @@ SECTIONS = (
         "`average_parameters` over the whole model, five calls per round, against torch's and against "
         "a raw allreduce of the same bytes (one flat buffer). `flattened`: the model after "
         "`flatten_parameters`. Measured before `average_parameters` became one plain in-place path "
-        "(it replayed CUDA graphs then, and `eager` is that path without them); "
-        "[the design note](design/averaging.md) has the current path's figures. Memory: torch's "
-        "flattened copy is the model's size, dcomm's staging at most one bucket.",
+        "(it replayed CUDA graphs then, and `eager` is that path without them); the current path, "
+        "described in [the design note](design/averaging.md), is to be measured on GPUs. Memory: "
+        "torch's flattened copy is the model's size, dcomm's staging at most one bucket.",
     ),
     Section(
         "bench-4gpu-h200-slow-link-llama.json",

@@ -40,9 +40,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(source: str, filename: str, folder: str, env: dict[str, str]) -> None:
+def _rank_main(source: str, filename: str, folder: str, env: dict[str, str], argv: list[str]) -> None:
     os.environ.update(env)
     os.chdir(folder)
+    sys.argv = argv
     try:
         exec(compile(source, filename, "exec"), {"__name__": "__main__"})
     except BaseException:
@@ -50,14 +51,20 @@ def _rank_main(source: str, filename: str, folder: str, env: dict[str, str]) -> 
         raise SystemExit(1) from None
 
 
-def run_block(source: str, where: str, ranks: int) -> None:
-    """Run ``source`` as ``__main__`` on ``ranks`` processes; raise with the failing ranks' tracebacks."""
+def run_block(source: str, where: str, ranks: int, argv: list[str] | None = None) -> None:
+    """Run ``source`` as ``__main__`` on ``ranks`` processes; raise with the failing ranks' tracebacks.
+
+    ``argv`` becomes ``sys.argv`` in each rank (default: ``[where]``), as a script's command line.
+    """
     with tempfile.TemporaryDirectory(prefix="dcomm-readme-") as folder:
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(ranks)}
         env["LOCAL_WORLD_SIZE"] = str(ranks)
         ctx = rank_process_context()  # ranks fork from a server that has imported torch once
         processes = [
-            ctx.Process(target=_rank_main, args=(source, where, folder, env | {"RANK": str(r), "LOCAL_RANK": str(r)}))
+            ctx.Process(
+                target=_rank_main,
+                args=(source, where, folder, env | {"RANK": str(r), "LOCAL_RANK": str(r)}, argv or [where]),
+            )
             for r in range(ranks)
         ]
         for process in processes:

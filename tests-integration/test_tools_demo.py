@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -20,12 +21,21 @@ from dcomm_testing import run_ranks
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tools.demo import exit_code  # noqa: E402
 from tools.demo import main as demo_main  # noqa: E402
 from tools.demo_lm.comm_bytes import CommCounter  # noqa: E402
 from tools.demo_lm.config import CONFIGS  # noqa: E402
 from tools.demo_lm.corpus import Corpus  # noqa: E402
-from tools.demo_lm.report import COMPRESSION_CHART, DILOCO_CHART, convergence_goal, verdict, write_report  # noqa: E402
-from tools.demo_lm.runs import BASELINE, CONVERGENCE_GOAL, DILOCO_GOAL, DILOCO_TOLERANCE  # noqa: E402
+from tools.demo_lm.report import (  # noqa: E402
+    COMPRESSION_CHART,
+    DILOCO_CHART,
+    convergence_goal,
+    family_chart,
+    savings,
+    verdict,
+    write_report,
+)
+from tools.demo_lm.runs import BASELINE, CONVERGENCE_GOAL, DILOCO_GOAL, DILOCO_TOLERANCE, FAMILIES  # noqa: E402
 from tools.demo_lm.train import RunResult, rank_main  # noqa: E402
 
 
@@ -105,6 +115,26 @@ def test_verdict_fails_dcomm_runs_that_fail_stall_or_end_above_torch() -> None:
     assert "boom" in crashed
     # Not installed yet, or torch's run failing: nothing to fail.
     assert verdict([_result("dcomm", [], skipped="not installed"), _result("torch", [], error="x")], 0.01) == []
+
+
+def test_the_demo_exits_1_by_default_only_when_a_run_breaks_and_with_check_on_the_tolerance() -> None:
+    torch_run = _result("torch", [5.0, 2.00])
+    above = [_result("dcomm", [5.0, 2.05]), torch_run]
+    assert exit_code(above, 0.01, check=False) == 0
+    assert exit_code(above, 0.01, check=True) == 1
+    assert exit_code([_result("dcomm", [5.0, 2.0]), torch_run], 0.01, check=True) == 0
+    for broken in (_result("dcomm", [], error="RuntimeError: boom"), _result("dcomm", [5.0, 5.0])):
+        assert exit_code([broken, torch_run], 0.01, check=False) == 1
+
+
+def test_savings_compare_each_dcomm_run_with_the_baseline() -> None:
+    baseline = _result("torch", [5.0, 2.00], algorithm=BASELINE, step_ms=10.0)
+    baseline.bytes_sent = [0.0, 400.0]
+    half = _result("dcomm", [5.0, 2.02], algorithm="DDP bf16_compress_hook", step_ms=12.5)
+    half.bytes_sent = [0.0, 200.0]
+    torch_run = _result("torch", [5.0, 2.0], algorithm="DDP bf16_compress_hook")
+    assert savings([baseline, half, torch_run]) == [("DDP bf16_compress_hook", "0.50x", "1.25x", "+1.00%")]
+    assert savings([half]) == []  # no baseline: nothing to compare with
 
 
 INT8, FP8, POWERSGD = CONVERGENCE_GOAL
@@ -238,14 +268,29 @@ def test_demo_short_configuration_writes_the_report_and_every_loss_falls(backend
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if backend == "gloo":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    command = [sys.executable, "-m", "tools.demo", "--config", "tiny", "--backend", backend, "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "tools.demo",
+        "--config",
+        "tiny",
+        "--backend",
+        backend,
+        "--out",
+        str(out),
+        "--check",
+    ]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280, check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "0 dcomm failures" in proc.stdout
+    assert "0 dcomm runs outside the tolerance" in proc.stdout
     assert "Compression with error feedback vs fp32 DDP at equal steps" in proc.stdout
+    assert "What each algorithm saves against DDP's fp32 allreduce" in proc.stdout
+    assert re.search(r"^DDP fp16_compress_hook +0\.50x ", proc.stdout, re.M)  # half the baseline's bytes per step
+    assert ("not speed on GPUs" in proc.stdout) == (backend == "gloo")
 
     report = (out / "report.md").read_text()
-    for chart in ("loss_vs_step.png", "loss_vs_bytes.png", "loss_vs_time.png", COMPRESSION_CHART):
+    charts = [family_chart(family) for family in FAMILIES] + [COMPRESSION_CHART]
+    for chart in charts:
         assert (out / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", chart
         assert f"]({chart})" in report, chart
     assert torch.__version__ in report

@@ -4,5 +4,5 @@ Example::
 
     torchrun --standalone --nproc-per-node 2 -m tools.bench --size small --quick
     python -m tools.demo --world-size 2 --steps 10
-    python -m tools.bench_chart tools/results/bench-4gpu-fast.json --out chart.png
+    python -m tools.bench_chart tools/results/bench-4gpu-h200-zero.json --out chart.png
 """

@@ -8,7 +8,7 @@ drawn at the edge. Needs matplotlib.
 
 Example::
 
-    python -m tools.bench_chart tools/results/bench-4gpu-fast.json tools/results/bench-2gpu-fast.json --out bench.png
+    python -m tools.bench_chart tools/results/bench-4gpu-h200-zero.json --out bench.png
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ times and the peak extra memory of dcomm's and torch's variants.
 
 Example::
 
-    python -m tools.bench_table tools/results/bench-4gpu-fast.json tools/results/bench-2gpu-fast.json
+    python -m tools.bench_table tools/results/bench-4gpu-h200-zero.json tools/results/bench-4gpu-h200-averaging.json
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 Usage (no GPU needed; ``hatch run demo`` runs the same)::
 
-    python -m tools.demo                          # 4 gloo ranks on the CPU, about 3 minutes
+    python -m tools.demo                          # 4 gloo ranks on the CPU, about a minute
     python -m tools.demo --config large --backend nccl   # a larger model, one rank per GPU
     python -m tools.demo --only fp16 post-local   # the runs whose name contains a word
     python -m tools.demo --config diloco          # DDP vs DiLoCo at H = 50 over 1000 steps, about 3 minutes
+    python -m tools.demo --check                  # exit 1 when a dcomm run ends above torch's (CI)
 
 The model is a small GPT (:mod:`tools.demo_lm.model`) learning the next byte of the running
 interpreter's own standard library sources (:mod:`tools.demo_lm.corpus`): real text on every
@@ -17,9 +18,11 @@ and the int8/fp8/PowerSGD hooks when they are installed.
 
 It measures validation loss over the steps, the bytes each rank hands to collectives (counted
 at the dispatcher, :mod:`tools.demo_lm.comm_bytes`) and the wall time, shows a live progress
-display, prints a table and writes ``demo-report/`` (charts and ``report.md``). It exits 1 when a
-dcomm run fails or ends more than ``--tolerance`` above torch's run of the same algorithm (the
-int8/fp8 hooks, which torch lacks: above DDP's fp32 allreduce). It also prints how far the
+display, prints what each algorithm saves against DDP's fp32 allreduce (bytes, time per step, the
+loss reached) and every run's table, and writes ``demo-report/`` (one chart per family of
+algorithms and ``report.md``). It exits 1 when a dcomm run raised or its loss did not fall; with
+``--check``, also when one ends more than ``--tolerance`` above torch's run of the same algorithm
+(the int8/fp8 hooks, which torch lacks: above DDP's fp32 allreduce). It also prints how far the
 int8, fp8 and PowerSGD rank-4 runs (error feedback on) end from fp32 DDP at equal steps against
 the same tolerance, and charts them (``compression_vs_fp32.png``); PowerSGD switches on after
 ``start_powerSGD_iter`` fp32 steps, as torch's documentation advises, for dcomm and torch alike.
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import math
 import os
 import pathlib
 import platform
@@ -44,7 +48,7 @@ import torch
 from dcomm_testing import RankFailure, run_ranks
 from tools.demo_lm.config import CONFIGS, Config
 from tools.demo_lm.corpus import Corpus
-from tools.demo_lm.report import convergence_goal, plain_table, verdict, write_report
+from tools.demo_lm.report import convergence_goal, plain_table, savings_table, verdict, write_report
 from tools.demo_lm.runs import ALGORITHMS, DILOCO_GOAL, DILOCO_TOLERANCE
 from tools.demo_lm.train import RunResult, rank_main
 from tools.launch import MULTICAST_OFF
@@ -68,6 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", nargs="+", metavar="WORD", help="run only algorithms whose name contains a WORD")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("demo-report"), help="report folder")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, help="relative; default 0.01")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 when a dcomm run ends more than --tolerance above torch's"
+    )
     parser.add_argument("--timeout", type=float, help="seconds before a hung job is stopped (default: by config)")
     args = parser.parse_args(argv)
     if args.world_size is not None and args.world_size < 2:
@@ -114,8 +121,15 @@ def diloco_settings(config: Config) -> str:
     )
 
 
+def exit_code(results: list[RunResult], tolerance: float, check: bool) -> int:
+    """1 when a dcomm run raised or its loss did not fall; with ``check``, also when one ended above
+    its reference by more than ``tolerance``. 0 otherwise."""
+    return 1 if verdict(results, tolerance if check else math.inf) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Demos other than the language model plug in here by configuration name.
     config = CONFIGS[args.config]
     config = dataclasses.replace(
         config,
@@ -182,6 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     failures = verdict(results, args.tolerance)
     print()
     print(plain_table(results))
+    print("\nWhat each algorithm saves against DDP's fp32 allreduce (dcomm's runs):\n")
+    print(savings_table(results))
+    if backend == "gloo":
+        print(
+            f"\nOn CPU the {world} ranks share this machine's {os.cpu_count()} cores: the times show the work "
+            "each algorithm adds here, not speed on GPUs (docs/benchmarks.md has GPU measurements)."
+        )
     goal = convergence_goal(results, args.tolerance)
     if goal:
         print(f"\nCompression with error feedback vs fp32 DDP at equal steps (goal: within {args.tolerance:.0%}):")
@@ -191,10 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nDiLoCo vs fp32 DDP at equal tokens (goal: within {DILOCO_TOLERANCE:.0%}; {header['diloco']}):")
         print("\n".join(f"  {line}" for line in diloco))
     print(f"\n{len(results)} runs in {elapsed:.0f}s; report: {report}")
+    code = exit_code(results, args.tolerance, args.check)
     for failure in failures:
-        print(f"FAILED: {failure}", file=sys.stderr)
-    print(f"{len(failures)} dcomm failures (tolerance {args.tolerance:.0%} over torch, or over fp32 DDP for int8/fp8)")
-    return 1 if failures else 0
+        print(f"{'FAILED' if code else 'note'}: {failure}", file=sys.stderr if code else sys.stdout)
+    within = f"{args.tolerance:.0%} over torch, or over fp32 DDP for int8/fp8"
+    print(f"{len(failures)} dcomm runs outside the tolerance ({within})")
+    if failures and not args.check:
+        print("On GPUs runs of the same arithmetic differ by about 1%: --check makes this an error.")
+    return code
 
 
 if __name__ == "__main__":

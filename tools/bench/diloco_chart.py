@@ -8,7 +8,7 @@ goal for ``F >= 2`` and ``tau >= 1``. Needs matplotlib.
 
 Example::
 
-    python -m tools.bench.diloco_chart tools/results/diloco-overlap-4gpu-h200-slow-session18.json --out diloco.png
+    python -m tools.bench.diloco_chart diloco-overlap.json --out diloco.png
 """
 
 from __future__ import annotations

@@ -27,26 +27,32 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
 
-from .runs import ALGORITHMS, BASELINE, CONVERGENCE_GOAL, DILOCO_GOAL, DILOCO_TOLERANCE
+from .runs import ALGORITHMS, BASELINE, CONVERGENCE_GOAL, DILOCO_GOAL, DILOCO_TOLERANCE, FAMILIES
 from .train import RunResult
 
 __all__ = [
-    "CHARTS",
+    "AXES",
     "COMPRESSION_CHART",
     "DILOCO_CHART",
     "convergence_goal",
+    "family_chart",
     "human_bytes",
+    "savings",
+    "savings_table",
     "table_rows",
     "verdict",
     "write_report",
 ]
 
-CHARTS = {
-    "loss_vs_step.png": ("steps", "training step"),
-    "loss_vs_bytes.png": ("bytes_sent", "bytes sent per rank (counted, log scale)"),
-    "loss_vs_time.png": ("wall_s", "training wall time (s)"),
+AXES = {
+    "steps": "training step",
+    "bytes_sent": "bytes sent per rank (counted, log scale)",
+    "wall_s": "training wall time (s)",
 }
-"""File -> (x values of each run, x-axis label); the y axis is always the validation loss."""
+"""The x axes of each family's chart (a run's attribute -> label); the y axis is the validation loss."""
+
+MARKERS = ("o", "s", "^", "D", "v", "P")
+"""One marker per algorithm of a family, with its colour: lines stay apart in grey print too."""
 
 COMPRESSION_CHART = "compression_vs_fp32.png"
 """The :data:`~.runs.CONVERGENCE_GOAL` runs against fp32 DDP: the gap over the steps, and loss vs bytes."""
@@ -167,6 +173,45 @@ def table_rows(results: list[RunResult]) -> list[tuple[str, ...]]:
     return rows
 
 
+SAVINGS_HEADER = ("algorithm", "bytes", "time per step", "validation loss")
+
+
+def savings(results: list[RunResult]) -> list[tuple[str, ...]]:
+    """What each dcomm run sends, costs and reaches against the baseline (one row each; none without it).
+
+    Example::
+
+        >>> savings(results)[0]  # doctest: +SKIP
+        ('DDP bf16_compress_hook', '0.50x', '1.02x', '+0.05%')
+    """
+    baseline = _baseline(results)
+    if baseline is None:
+        return []
+    base_bytes = baseline.bytes_sent[-1] / baseline.steps[-1]
+    rows = []
+    for r in results:
+        if r.impl == "dcomm" and r.ok:
+            sent = r.bytes_sent[-1] / r.steps[-1] / base_bytes
+            rows.append(
+                (r.algorithm, f"{sent:.2f}x", f"{r.step_ms / baseline.step_ms:.2f}x", _relative(r.final_loss, baseline))
+            )
+    return rows
+
+
+def savings_table(results: list[RunResult]) -> str:
+    """:func:`savings` as aligned text."""
+    return _aligned([SAVINGS_HEADER, *savings(results)])
+
+
+def _aligned(lines: list[tuple[str, ...]]) -> str:
+    widths = [max(len(line[col]) for line in lines) for col in range(len(lines[0]))]
+    rendered = [
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip() for line in lines
+    ]
+    rendered.insert(1, "-" * len(rendered[0]))
+    return "\n".join(rendered)
+
+
 def plain_table(results: list[RunResult]) -> str:
     """The final table as aligned text."""
     lines = [TABLE_HEADER, *table_rows(results)]
@@ -178,10 +223,10 @@ def plain_table(results: list[RunResult]) -> str:
     return "\n".join(rendered)
 
 
-def markdown_table(results: list[RunResult]) -> str:
-    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + " --- |" * len(TABLE_HEADER)]
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in table_rows(results)]
-    return "\n".join(lines)
+def _markdown(lines: list[tuple[str, ...]]) -> list[str]:
+    header, *rows = lines
+    table = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return table + ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
 
 
 def _pyplot():  # type: ignore[no-untyped-def]
@@ -200,7 +245,7 @@ def _points(r: RunResult, attribute: str, ys: list[float]) -> tuple[list[float],
     return [x for x, _ in pairs], [y for _, y in pairs]
 
 
-def _plot(axes: Any, r: RunResult, attribute: str, ys: list[float], colour: Any) -> None:
+def _plot(axes: Any, r: RunResult, attribute: str, ys: list[float], colour: Any, marker: str = "o") -> None:
     """One run's line: the baseline black and dotted, dcomm solid, torch dashed."""
     baseline = r.algorithm == BASELINE
     axes.plot(
@@ -209,8 +254,10 @@ def _plot(axes: Any, r: RunResult, attribute: str, ys: list[float], colour: Any)
         color="black" if baseline else colour,
         linestyle=":" if baseline else "-" if r.impl == "dcomm" else "--",
         linewidth=2.2 if baseline else 1.4,
-        marker="o" if attribute == "bytes_sent" else None,
-        markersize=3,
+        marker=None if baseline else marker,
+        markersize=4,
+        markevery=max(1, len(r.steps) // 8),
+        fillstyle="full" if r.impl == "dcomm" else "none",
     )
 
 
@@ -223,21 +270,35 @@ def _finish(axes: Any, attribute: str, label: str, ylabel: str, title: str) -> N
     axes.grid(alpha=0.3)
 
 
+def family_chart(family: str) -> str:
+    """The file name of a family's chart: ``loss-ddp-hooks.png``."""
+    return "loss-" + "".join(c if c.isalnum() else "-" for c in family.lower()).strip("-") + ".png"
+
+
 def draw_charts(folder: pathlib.Path, results: list[RunResult]) -> list[str]:
-    """Validation loss against step, bytes and time: a colour per algorithm, torch dashed."""
+    """One chart per family of :data:`~.runs.FAMILIES` that ran: validation loss against step, bytes
+    and time, the baseline and each algorithm of the family (a colour and marker each, torch dashed)."""
     plt = _pyplot()
-    ok = [r for r in results if r.ok]
-    algorithms = list(dict.fromkeys(r.algorithm for r in ok))
-    colours = [*plt.get_cmap("tab10").colors, *plt.get_cmap("Dark2").colors]
+    baseline = _baseline(results)
     written = []
-    for filename, (attribute, label) in CHARTS.items():
-        figure, axes = plt.subplots(figsize=(13, 6))
-        for r in ok:
-            _plot(axes, r, attribute, r.val_loss, colours[algorithms.index(r.algorithm) % len(colours)])
-        title = f"validation loss vs {label.split(' (')[0]} (dcomm solid, torch dashed, baseline dotted)"
-        _finish(axes, attribute, label, "validation loss (nats per byte)", title)
-        axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        figure.tight_layout()
+    for family, algorithms in FAMILIES.items():
+        runs = [r for r in results if r.ok and r.algorithm in algorithms]
+        if not runs:
+            continue
+        figure, panels = plt.subplots(1, len(AXES), figsize=(16, 4.8))
+        for r in [baseline, *runs] if baseline else runs:
+            index = algorithms.index(r.algorithm) if r.algorithm in algorithms else 0
+            for axes, attribute in zip(panels, AXES, strict=True):
+                _plot(
+                    axes, r, attribute, r.val_loss, plt.get_cmap("tab10").colors[index], MARKERS[index % len(MARKERS)]
+                )
+        for axes, (attribute, label) in zip(panels, AXES.items(), strict=True):
+            _finish(axes, attribute, label, "validation loss (nats per byte)", f"vs {label.split(' (')[0]}")
+        handles, labels = panels[0].get_legend_handles_labels()
+        figure.legend(handles, labels, fontsize=8, loc="upper center", ncol=min(4, len(labels)), frameon=False)
+        figure.suptitle(f"{family}: dcomm solid, torch dashed, DDP's fp32 allreduce dotted", fontsize=11, y=0.02)
+        figure.tight_layout(rect=(0, 0.05, 1, 0.88))
+        filename = family_chart(family)
         figure.savefig(folder / filename, dpi=110)
         plt.close(figure)
         written.append(filename)
@@ -272,7 +333,7 @@ def draw_goal_chart(
     _finish(
         bytes_axes,
         "bytes_sent",
-        CHARTS["loss_vs_bytes.png"][1],
+        AXES["bytes_sent"],
         "validation loss (nats per byte)",
         "validation loss vs bytes sent",
     )
@@ -304,11 +365,19 @@ def write_report(
         "bytes of the tensors it sent (inputs; a broadcast's tensor on its root), averaged over ranks.",
         "- **wall time:** the training steps only (evaluation excluded), slowest rank.",
         "",
-        "## Result",
+        "## What each algorithm saves",
         "",
-        "All dcomm runs passed." if not failures else "Failed:\n\n" + "\n".join(f"- {f}" for f in failures),
+        "Against DDP's fp32 allreduce (the baseline): bytes each rank sends per step, the median step time "
+        "and the final validation loss, for dcomm's runs.",
         "",
-        markdown_table(results),
+        *_markdown([SAVINGS_HEADER, *savings(results)]),
+        "",
+        "## Every run",
+        "",
+        f"Within {tolerance:.0%} of torch's run of the same algorithm (`--check` fails otherwise): "
+        + ("all dcomm runs." if not failures else "not\n\n" + "\n".join(f"- {f}" for f in failures)),
+        "",
+        *_markdown([TABLE_HEADER, *table_rows(results)]),
         "",
     ]
     if goal:

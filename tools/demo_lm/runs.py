@@ -36,6 +36,7 @@ from .model import TinyGPT, next_byte_loss
 __all__ = [
     "ALGORITHMS",
     "BASELINE",
+    "FAMILIES",
     "CONVERGENCE_GOAL",
     "DILOCO_GOAL",
     "DILOCO_TOLERANCE",
@@ -341,6 +342,20 @@ ALGORITHMS: dict[str, dict[str, Builder]] = {
     "DiLoCo int8": {"dcomm": diloco("int8")},
 }
 """Every run of the demo, in the order it runs: algorithm -> implementation -> builder."""
+
+FAMILIES = {
+    "DDP hooks": ("DDP allreduce_hook", "DDP fp16_compress_hook", "DDP bf16_compress_hook"),
+    "compression": ("DDP int8_compress_hook", "DDP fp8_compress_hook", "DDP powerSGD_hook (rank 4)"),
+    "averaging": (
+        "post-local SGD + periodic averager",
+        "post-local SGD + hierarchical averager",
+        "DiLoCo",
+        "DiLoCo int8",
+    ),
+    "ZeRO overlap": ("ZeRO overlap: hook_with_zero_step", "ZeRO overlap: hook_with_zero_step_interleaved"),
+    "FSDP": ("FSDP bf16_compress_hook", "fully_shard bf16 reduction"),
+}
+"""The algorithms charted together (each chart also draws the baseline): at most 8 lines per chart."""
 
 DILOCO_GOAL = ("DiLoCo", "DiLoCo int8")
 """DiLoCo runs that should end within :data:`DILOCO_TOLERANCE` of the baseline's validation loss at

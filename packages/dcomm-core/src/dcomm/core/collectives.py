@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dcomm.core.torch_private import allgather_base, allgather_options, reduce_scatter_base
+
 __all__ = [
     "all_gather_single",
     "completed_future",
@@ -217,7 +219,7 @@ def _reduce_scatter_sum_options() -> Any:
 
 
 _RS_SUM = _reduce_scatter_sum_options()
-_ALLGATHER = torch._C._distributed_c10d.AllgatherOptions()
+_ALLGATHER = allgather_options()
 
 
 def start_reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
@@ -231,7 +233,7 @@ def start_reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: dist
 
         >>> start_reduce_scatter(shard, flat, dist.group.WORLD).wait()  # doctest: +SKIP
     """
-    return group._reduce_scatter_base(output, tensor, _RS_SUM)
+    return reduce_scatter_base(group, output, tensor, _RS_SUM)
 
 
 def start_all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
@@ -243,7 +245,7 @@ def start_all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.Pro
 
         >>> start_all_gather(flat, shard, dist.group.WORLD).wait()  # doctest: +SKIP
     """
-    return group._allgather_base(output, tensor, _ALLGATHER)
+    return allgather_base(group, output, tensor, _ALLGATHER)
 
 
 def completed_future(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:

@@ -105,7 +105,7 @@ def reduced_by_nccl(group: dist.ProcessGroup, tensor: torch.Tensor | torch.devic
         return False
 
 
-def _work_future(work: dist.Work) -> torch.futures.Future:
+def work_future(work: dist.Work) -> torch.futures.Future:
     """The work's future; backends without one (gloo reduce-scatter) complete it eagerly."""
     try:
         return work.get_future()
@@ -314,4 +314,4 @@ def reduce_scatter_future(
         tensor.div_(predivide)
     work = reduce_scatter_single(output, tensor.reshape(-1), group, op=op, async_op=True)
     assert work is not None
-    return _work_future(work).then(lambda f: _divided_in_place(f, output, postdivide))
+    return work_future(work).then(lambda f: _divided_in_place(f, output, postdivide))

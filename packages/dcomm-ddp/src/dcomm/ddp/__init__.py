@@ -28,8 +28,9 @@ from dcomm.ddp.zero_overlap import (
     fallback_count,
     hook_with_zero_step,
     hook_with_zero_step_interleaved,
-    step_mode_of,
+    load_zero_state_dict,
     wait_for_parameters,
+    zero_state_dict,
 )
 
 __all__ = [
@@ -59,8 +60,9 @@ __all__ = [
     "hook_with_zero_step",
     "hook_with_zero_step_interleaved",
     "fallback_count",
-    "step_mode_of",
     "wait_for_parameters",
+    "zero_state_dict",
+    "load_zero_state_dict",
 ]
 
 _install_native_hooks()  # dcomm's averaging hooks run in C++ on DDP's reducer (native_hooks)

@@ -1,15 +1,14 @@
 """Choosing between two ways to run a backward pass by timing both, the same choice on every rank.
 
-Some choices depend on the machine more than on the model: whether ZeRO's per-bucket step pays
-for its extra optimizer calls, whether int8 codes on the wire save more time than quantizing
-costs. :class:`Calibration` times a few whole iterations of each of two paths right after DDP has
+Some choices depend on the machine more than on the model, such as whether int8 codes on the wire
+save more time than quantizing costs. :class:`Calibration` times a few whole iterations of each of two paths right after DDP has
 settled its buckets, in blocks (first, second, second, first: a drift over the calibration, such
 as a warming clock or a growing allocator, weighs on both paths alike), and every rank takes the
 decision from the same numbers: each path's slowest-rank time, from a MAX all-reduce.
 
-Blocks, not alternation: a path may leave work to the next iteration (ZeRO's per-bucket path
-leaves its parameter collectives to the next forward), and an interval that starts in one path
-and ends in the other charges that work to the wrong one.
+Blocks, not alternation: a path may leave work to the next iteration (collectives waited for in
+the next forward, say), and an interval that starts in one path and ends in the other charges
+that work to the wrong one.
 
 Example::
 
@@ -91,7 +90,7 @@ class Calibration:
 
     Example::
 
-        >>> calibration = Calibration(dist.group.WORLD, ("per_bucket", "fused"), choose=min_time)  # doctest: +SKIP
+        >>> calibration = Calibration(dist.group.WORLD, ("bf16", "int8"), choose=min_time)  # doctest: +SKIP
     """
 
     def __init__(

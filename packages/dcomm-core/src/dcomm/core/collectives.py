@@ -198,8 +198,8 @@ def start_allreduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: Any = di
     """Start reducing ``tensor`` in place over ``group`` (``op``, a sum by default); return the work handle.
 
     It calls the process group directly, with the options and complex-number handling of
-    ``dist.all_reduce(..., async_op=True)`` but without its checks, which cost about 10 us of host
-    time per call: a comm hook pays that once per bucket on the backward pass's critical path.
+    ``dist.all_reduce(..., async_op=True)`` but without its checks, whose host time a comm hook
+    would pay once per bucket on the backward pass's critical path.
     ``group`` must be a group this process belongs to (hooks are handed one). A complex
     ``tensor`` is reduced as its real view, so it takes ``SUM``, ``AVG`` or ``PREMUL_SUM``; an op
     that orders or combines bits (``MAX``, ``PRODUCT``, ``BAND``, ...) raises ``ValueError``.

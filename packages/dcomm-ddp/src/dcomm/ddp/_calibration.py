@@ -1,10 +1,11 @@
 """Choosing between two ways to run a backward pass by timing both, the same choice on every rank.
 
 Some choices depend on the machine more than on the model, such as whether int8 codes on the wire
-save more time than quantizing costs. :class:`Calibration` times a few whole iterations of each of two paths right after DDP has
-settled its buckets, in blocks (first, second, second, first: a drift over the calibration, such
-as a warming clock or a growing allocator, weighs on both paths alike), and every rank takes the
-decision from the same numbers: each path's slowest-rank time, from a MAX all-reduce.
+save more time than quantizing costs. :class:`Calibration` times a few whole iterations of each
+of two paths right after DDP has settled its buckets, in blocks (first, second, second, first: a
+drift over the calibration, such as a warming clock or a growing allocator, weighs on both paths
+alike), and every rank takes the decision from the same numbers: each path's slowest-rank time,
+from a MAX all-reduce.
 
 Blocks, not alternation: a path may leave work to the next iteration (collectives waited for in
 the next forward, say), and an interval that starts in one path and ends in the other charges

@@ -212,6 +212,9 @@ def wait_for_parameters(hook: Callable[..., Any]) -> None:
     Args:
         hook: what :func:`hook_with_zero_step` or :func:`hook_with_zero_step_interleaved` returned.
 
+    Returns:
+        None: every parameter is whole (on CUDA: the current stream waits for the collectives).
+
     Raises:
         TypeError: ``hook`` was not built by either.
 
@@ -233,6 +236,9 @@ def fallback_count(hook: Callable[..., Any]) -> int:
 
     Args:
         hook: what :func:`hook_with_zero_step` or :func:`hook_with_zero_step_interleaved` returned.
+
+    Returns:
+        The number of such buckets so far (this rank's count; every rank counts alike).
 
     Raises:
         TypeError: ``hook`` was not built by either.
@@ -297,14 +303,14 @@ def hook_with_zero_step(
         The hook to pass to ``ddp.register_comm_hook(state, ...)``; ``state`` goes to ``hook``.
 
     Raises:
-        ValueError: ``zero`` built without ``overlap_with_ddp=True``, with several parameter
-            groups, over parameters outside ``ddp``, ``hook`` not a plain averaging hook (also
-            behind ``functools.partial``), or ``reduce_scatter=True`` with a hook other than the
-            six listed above, ``reduce_scatter=True`` with a DDP built with
-            ``find_unused_parameters=True`` (a slice cannot skip a parameter that got no
-            gradient). On the first backward:
-            a ``state`` that averages over other ranks than ``zero.process_group`` (a subgroup,
-            a ``PostLocalSGDState``).
+        ValueError: ``zero`` built without ``overlap_with_ddp=True`` or over parameters outside
+            ``ddp``; ``hook`` not a plain averaging hook (also behind ``functools.partial``);
+            ``reduce_scatter=True`` with several parameter groups, with a hook other than the six
+            listed above, or with a DDP built with ``find_unused_parameters=True`` (a slice cannot
+            skip a parameter that got no gradient). On the first backward: a ``state`` that
+            averages over other ranks than ``zero.process_group`` (a subgroup, a
+            ``PostLocalSGDState``).
+        TypeError: ``hook``, ``ddp``, ``zero`` or a flag of the wrong type.
         RuntimeError: training has already started, or ``zero`` already drives a hook.
 
     Example::
@@ -333,6 +339,16 @@ def hook_with_zero_step_interleaved(
     The parameters are those of :func:`hook_with_zero_step`, bit for bit. Arguments, results and
     errors are those of :func:`hook_with_zero_step`; ``shard_buckets=True`` spreads every bucket's
     step over all ranks, which suits this hook.
+
+    Args:
+        hook, ddp, zero, shard_buckets, reduce_scatter, gather_during_forward: as for
+            :func:`hook_with_zero_step`.
+
+    Returns:
+        The hook to pass to ``ddp.register_comm_hook(state, ...)``.
+
+    Raises:
+        ValueError, RuntimeError: as :func:`hook_with_zero_step`.
 
     Example::
 

@@ -518,7 +518,7 @@ def _gather_during_forward(rank: int, world: int) -> list[str]:
         torch.testing.assert_close(flat_parameters(model), flat_parameters(ref_model), **RS_TOL)
         assert_same_on_ranks(flat_parameters(model), case)
         if not rs:
-            assert driver.grouped, case
+            assert driver.grouped == (builder == "step"), case  # the interleaved hook makes no groups
         # Loading a state dict waits first: nothing still in flight can write over what it loads.
         x = batch(rank, 9)
         ddp(x).square().sum().backward()
@@ -967,9 +967,8 @@ def _send_groups(rank: int, world: int) -> list[str]:
       and mix two owners: 16 pieces, every one in a group (all in one, or weights with weights
       and biases with biases), and no bucket's old buffer kept.
 
-    Where every parameter is sent at the last bucket (the fused path, and hook_with_zero_step's
-    per-bucket path) each settled step then broadcasts nothing; the interleaved per-bucket path
-    still broadcasts each piece, from its group's buffer.
+    With hook_with_zero_step, where every parameter is sent at the last bucket, each settled step
+    then broadcasts nothing. The interleaved hook sends bucket by bucket and makes no groups.
     """
     seen = []
     for layout, builder in itertools.product(("weights", "autocast"), BUILDERS):
@@ -991,29 +990,31 @@ def _send_groups(rank: int, world: int) -> list[str]:
             # Bit for bit at worlds 2 and 4; at world 3 the hook divides by 3 where DDP multiplies by 1/3.
             exact = {"rtol": 0, "atol": 0} if world in (2, 4) else {}
             torch.testing.assert_close(flat_parameters(model), flat_parameters(ref_model), **exact)
-        assert driver.grouped, (layout, builder)
         plans = list(driver.frozen.values())
         if bias:  # the layout this case is about: buckets of two owners
             assert sum(len(plan.owners) == 2 for plan in plans) == 7, (builder, [len(p.owners) for p in plans])
-        # Every piece is in a group but those of a bucket that the interleaved hook all-gathers
-        # on its own (two owners at world 2: one all-gather moves no more than their broadcasts).
-        kept_gathers = [plan for plan in plans if plan.gather]
-        assert builder == "interleaved" or not kept_gathers, (layout, builder)
-        pieces = [owner for plan in plans if not plan.gather for owner in plan.owners]
-        assert len(pieces) + sum(len(plan.owners) for plan in kept_gathers) == (16 if bias else 8), (layout, builder)
-        assert all(owner.group is not None for owner in pieces), (layout, builder)
-        assert all(plan.flat is None for plan in plans if not plan.gather), (layout, builder)  # no old buffer kept
-        groups = {id(owner.group): owner.group for owner in pieces}
-        if not kept_gathers:
-            # Owners of equal shares at worlds 2 and 4: one merged group of every piece. At world
-            # 3 the shares are 3, 3 and 2 buckets (12.5% padding merged): groups of like pieces,
-            # one per owner (3, 3 and 2 pieces; weights with weights, biases with biases).
-            assert len(groups) == (1 if world in (2, 4) else (2 if bias else 1) * 3), (layout, builder, len(groups))
-        assert sum(group.members for group in groups.values()) == len(pieces), (layout, builder)
-        # The last step's broadcasts: none where every parameter is sent at the last bucket.
-        expected = len(pieces) if builder == "interleaved" else 0
-        assert len(broadcasts) == expected, (layout, builder, len(broadcasts))
         seen.append(f"{layout}-{builder}")
+        if builder == "interleaved":
+            # A broadcast per piece, but those of a bucket all-gathered on its own (two owners at
+            # world 2: one all-gather moves no more than their broadcasts).
+            assert not driver.grouped, layout
+            expected = sum(len(plan.owners) for plan in plans if not plan.gather)
+            assert len(broadcasts) == expected, (layout, len(broadcasts), expected)
+            continue
+        # Every piece is in a group, and no bucket's old buffer is kept.
+        assert driver.grouped, layout
+        pieces = [owner for plan in plans for owner in plan.owners]
+        assert not any(plan.gather for plan in plans), layout
+        assert len(pieces) == (16 if bias else 8), layout
+        assert all(owner.group is not None for owner in pieces), layout
+        assert all(plan.flat is None for plan in plans), layout
+        groups = {id(owner.group): owner.group for owner in pieces}
+        # Owners of equal shares at worlds 2 and 4: one merged group of every piece. At world 3
+        # the shares are 3, 3 and 2 buckets (12.5% padding merged): groups of like pieces, one
+        # per owner (3, 3 and 2 pieces; weights with weights, biases with biases).
+        assert len(groups) == (1 if world in (2, 4) else (2 if bias else 1) * 3), (layout, len(groups))
+        assert sum(group.members for group in groups.values()) == len(pieces), layout
+        assert len(broadcasts) == 0, (layout, len(broadcasts))  # every parameter in a group's all-gather
     return seen
 
 

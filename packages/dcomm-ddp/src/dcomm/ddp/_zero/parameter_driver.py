@@ -8,7 +8,7 @@ sends it to the other ranks. A bucket's ZeRO parameters are packed by owner into
 that they become views of: when the owned pieces are nearly equal they are padded to one size
 and one ``all_gather_into_tensor`` returns them all, otherwise each owner broadcasts its piece.
 With ``hook_with_zero_step`` every bucket's owned parameters are stepped together at the last
-bucket, and the collectives of every bucket follow back to back. Once DDP has settled its buckets,
+bucket, and the collectives of every bucket follow back to back; once DDP has settled its buckets,
 the pieces that owners broadcast (one owner's parameters in one bucket) are laid out in groups
 across owners (:mod:`dcomm.ddp._zero.send_groups`), so that the last bucket returns each group with one all-gather
 instead of one broadcast per piece. Pieces, not buckets: where gradients arrive in another order than
@@ -216,9 +216,9 @@ class ParameterDriver(Driver):
 
     def finish(self) -> None:
         super().finish()
-        if not self.grouped and self.planned_for_good():
+        if not self.grouped and not self.interleaved and self.planned_for_good():
             # Every collective of the pass waited for (the deferred ones too, this once): the
-            # parameters can move.
+            # parameters can move. (The interleaved hook sends bucket by bucket: no group to send.)
             self.wait_deferred()
             self._group_sends()
 
@@ -226,10 +226,9 @@ class ParameterDriver(Driver):
     def _group_sends(self) -> None:
         """Lay the broadcast pieces out in send groups (once, with no collective in flight)."""
         self.grouped = True
-        # A bucket of pieces padded to one size returns in one all-gather of its own. Where every
-        # parameter is sent at the last bucket (hook_with_zero_step), its pieces may
-        # join groups across buckets too; the interleaved hook keeps that all-gather.
-        plans = [plan for _, plan in sorted(self.frozen.items()) if not (plan.gather and self.interleaved)]
+        # Every parameter is sent at the last bucket: the pieces of a bucket padded to one size
+        # may join groups across buckets too.
+        plans = [plan for _, plan in sorted(self.frozen.items())]
         pieces = [owner for plan in plans for owner in plan.owners]
         sizes = [(owner.numel, owner.rank, (owner.flat.dtype, owner.flat.device)) for owner in pieces]
         # Sent all at once (no forward waits each module's own): one group per kind where it pads little.

@@ -142,20 +142,11 @@ def scenario_zero_overlap_accumulation(rank: int, world_size: int) -> None:
 
 
 @scenario(min_world_size=2)
-def scenario_zero_overlap_step_modes(rank: int, world_size: int) -> None:
-    """Both forced step paths (per bucket, fused) give plain ZeRO's parameters at every step."""
-    builders = (hook_with_zero_step, hook_with_zero_step_interleaved)
-    for mode, builder, rs in itertools.product(("per_bucket", "fused"), builders, (False, True)):
-        case = f"{builder.__name__}(reduce_scatter={rs}, step_mode={mode!r})"
-        _train_against_plain_zero(case, rank, builder, allreduce_hook, 1, reduce_scatter=rs, step_mode=mode)
-
-
-@scenario(min_world_size=2)
 def scenario_zero_overlap_tied_weights(rank: int, world_size: int) -> None:
-    """A weight used twice: every layout, both step paths and gather_during_forward give plain ZeRO's parameters."""
+    """A weight used twice: every layout, both hooks and gather_during_forward give plain ZeRO's parameters."""
     builders = (hook_with_zero_step, hook_with_zero_step_interleaved)
-    for builder, rs, mode, gather in itertools.product(builders, (False, True), ("per_bucket", "fused"), (False, True)):
-        options = {"reduce_scatter": rs, "step_mode": mode, "gather_during_forward": gather}
+    for builder, rs, gather in itertools.product(builders, (False, True), (False, True)):
+        options = {"reduce_scatter": rs, "gather_during_forward": gather}
         case = f"tied weights {builder.__name__}({options})"
         _train_against_plain_zero(case, rank, builder, allreduce_hook, 1, _TiedWeights, **options)
 
@@ -166,8 +157,9 @@ def scenario_zero_overlap_fused_adam(rank: int, world_size: int) -> None:
     builders = (hook_with_zero_step, hook_with_zero_step_interleaved)
     for builder, rs in itertools.product(builders, (False, True)):
         case = f"fused Adam {builder.__name__}(reduce_scatter={rs})"
-        options = {"reduce_scatter": rs, "step_mode": "fused"}
-        zero = _train_against_plain_zero(case, rank, builder, allreduce_hook, 1, adam={"fused": True}, **options)
+        zero = _train_against_plain_zero(
+            case, rank, builder, allreduce_hook, 1, adam={"fused": True}, reduce_scatter=rs
+        )
         assert zero.optim.defaults["fused"] is True, f"{case}: the local optimizer is not the fused Adam"
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from dcomm.core import allreduce_future, start_allreduce
-from dcomm.core._torch_private import make_nccl_premul_sum
+from dcomm.core.torch_private import make_nccl_premul_sum
 from dcomm_testing import run_ranks, seeded_batch
 
 R = dist.ReduceOp

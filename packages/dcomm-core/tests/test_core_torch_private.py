@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from dcomm.core import foreach_copy_, foreach_div_, foreach_sub_, storage_at, views_like
-from dcomm.core._torch_private import PRIVATE_MEMBERS
-from dcomm.core.torch_private import PrivateMember, TorchChanged, missing_members, private_member
+from dcomm.core.torch_private import PRIVATE_MEMBERS, PrivateMember, TorchChanged, missing_members, private_member
 
 
 def test_every_private_member_exists() -> None:

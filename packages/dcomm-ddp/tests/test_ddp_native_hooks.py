@@ -329,7 +329,7 @@ def _counting(launch: Callable, counted: list[int]) -> Callable:
 
 
 def _zero_overlap_in_cpp(rank: int, world: int) -> None:
-    # The fused ZeRO overlap step: once DDP settled its buckets, the C++ hook averages every bucket
+    # hook_with_zero_step's ZeRO overlap step: once DDP settled its buckets, the C++ hook averages every bucket
     # (or, with reduce_scatter=True, fills the shards and reduce-scatters each once complete) and
     # calls the driver once per backward. Same parameters, bit for bit, as the Python hook (itself
     # tested against non-overlapped ZeRO in test_ddp_zero_overlap.py).
@@ -338,14 +338,14 @@ def _zero_overlap_in_cpp(rank: int, world: int) -> None:
     from dcomm.ddp import hook_with_zero_step, hook_with_zero_step_interleaved, wait_for_parameters
     from dcomm.ddp._zero.checks import HOOK_MARK
 
-    sharded = {"reduce_scatter": True, "step_mode": "fused"}
+    sharded = {"reduce_scatter": True}
     cases = [
         (hook_with_zero_step, allreduce_hook, {}, {}),
         (hook_with_zero_step, torch_hooks.allreduce_hook, {}, {}),
-        (hook_with_zero_step_interleaved, allreduce_hook, {"step_mode": "fused"}, {}),
+        (hook_with_zero_step_interleaved, allreduce_hook, {}, {}),  # steps per bucket: stays in Python
         (hook_with_zero_step, allreduce_hook, {}, {"find_unused_parameters": True}),  # stays in Python
         (hook_with_zero_step, allreduce_hook, sharded, {}),
-        (hook_with_zero_step_interleaved, bf16_compress_hook, sharded, {}),  # shards sent in bf16
+        (hook_with_zero_step, bf16_compress_hook, sharded, {}),  # shards sent in bf16
         (hook_with_zero_step, fp16_compress_hook, {**sharded, "gather_during_forward": True}, {}),
         # A bf16 model's shards sent in fp16: cast first, then divided in fp16 (isWide), as in Python.
         (hook_with_zero_step, fp16_compress_hook, sharded, {"dtype": torch.bfloat16}),
@@ -387,7 +387,7 @@ def _zero_overlap_in_cpp(rank: int, world: int) -> None:
             assert paths[True] == "native", what
             assert not switches[True].on, what  # registered, never switched on
             assert all(n >= 1 for n in launches[True]), (what, launches)
-        elif "find_unused_parameters" in ddp_options:
+        elif "find_unused_parameters" in ddp_options or builder is hook_with_zero_step_interleaved:
             assert paths[True] == "python", what
             assert switches[True] is None, what  # registered as a Python hook
             assert all(n >= 1 for n in launches[True]), (what, launches)

@@ -35,8 +35,10 @@ from dcomm.ddp import (
     fallback_count,
     hook_with_zero_step,
     hook_with_zero_step_interleaved,
+    load_zero_state_dict,
     post_localSGD_hook,
     wait_for_parameters,
+    zero_state_dict,
 )
 from dcomm_testing import (
     assert_same_on_ranks,
@@ -53,16 +55,6 @@ OPTIMS = {
     "adam": (torch.optim.Adam, {"lr": 0.01}),
 }
 BUCKET_MB = 0.001  # 1 KB: the tiny model gets several buckets once DDP settles its layout
-STEP_PATHS = ("per_bucket", "fused")
-STEP_MODE = "per_bucket"  # the path every overlapped model of a rank process uses (see _suite)
-STEP_AT_LAUNCH = False  # hook_with_zero_step's per-bucket path steps each bucket at launch, as on CUDA
-
-
-def _configured(zero: ZeroRedundancyOptimizer) -> None:
-    """Apply the rank process's STEP_AT_LAUNCH to the driver of ``zero``'s hook (built just now)."""
-    driver = _driver(zero)
-    if hasattr(driver, "step_at_launch_off_cuda"):
-        driver.step_at_launch_off_cuda = STEP_AT_LAUNCH
 
 
 def make_model(even: bool = False) -> torch.nn.Module:
@@ -100,8 +92,7 @@ def overlapped(
     cls, kwargs = OPTIMS[optim]
     zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=cls, overlap_with_ddp=True, **kwargs)
     build = BUILDERS[builder]
-    ddp.register_comm_hook(None, build(hook, ddp, zero, shard_buckets=shard, reduce_scatter=rs, step_mode=STEP_MODE))
-    _configured(zero)
+    ddp.register_comm_hook(None, build(hook, ddp, zero, shard_buckets=shard, reduce_scatter=rs))
     return model, ddp, zero
 
 
@@ -294,9 +285,8 @@ def _unused(rank: int, world: int) -> list[str]:
         ref_ddp = DDP(ref_model, bucket_cap_mb=BUCKET_MB, find_unused_parameters=True)
         zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True)
         ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam)
-        hook = BUILDERS[builder](allreduce_hook, ddp, zero, shard_buckets=True, step_mode=STEP_MODE)
+        hook = BUILDERS[builder](allreduce_hook, ddp, zero, shard_buckets=True)
         ddp.register_comm_hook(None, hook)
-        _configured(zero)
         for step in range(8):
             if step == 6:
                 model.middle.weight.requires_grad_(False)
@@ -399,7 +389,7 @@ def _fallback(rank: int, world: int) -> list[int]:
         zero = ZeroRedundancyOptimizer(zero_params, optimizer_class=torch.optim.Adam, overlap_with_ddp=True)
         ref_zero = ZeroRedundancyOptimizer(ref_params, optimizer_class=torch.optim.Adam)
         extra = [torch.optim.SGD([p], lr=0.1) for p in outside]
-        hook = BUILDERS[builder](allreduce_hook, ddp, zero, reduce_scatter=True, step_mode=STEP_MODE)
+        hook = BUILDERS[builder](allreduce_hook, ddp, zero, reduce_scatter=True)
         ddp.register_comm_hook(None, hook)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -459,7 +449,7 @@ def _reordered(rank: int, world: int) -> list[str]:
         ddp, ref_ddp = DDP(model, bucket_cap_mb=BUCKET_MB), DDP(ref_model, bucket_cap_mb=BUCKET_MB)
         zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True)
         ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam)
-        overlap = BUILDERS[builder](hook, ddp, zero, reduce_scatter=True, step_mode=STEP_MODE)
+        overlap = BUILDERS[builder](hook, ddp, zero, reduce_scatter=True)
         ddp.register_comm_hook(None, overlap)
         ref_ddp.register_comm_hook(None, hook)
         driver = _driver(zero)
@@ -496,9 +486,7 @@ def _gather_during_forward(rank: int, world: int) -> list[str]:
         ddp, ref_ddp = DDP(model, bucket_cap_mb=BUCKET_MB), DDP(ref_model, bucket_cap_mb=BUCKET_MB)
         zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True)
         ref_zero = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam)
-        hook = BUILDERS[builder](
-            allreduce_hook, ddp, zero, reduce_scatter=rs, step_mode=STEP_MODE, gather_during_forward=True
-        )
+        hook = BUILDERS[builder](allreduce_hook, ddp, zero, reduce_scatter=rs, gather_during_forward=True)
         ddp.register_comm_hook(None, hook)
         driver = _driver(zero)
         waits = driver.forward_waits
@@ -530,7 +518,7 @@ def _gather_during_forward(rank: int, world: int) -> list[str]:
         torch.testing.assert_close(flat_parameters(model), flat_parameters(ref_model), **RS_TOL)
         assert_same_on_ranks(flat_parameters(model), case)
         if not rs:
-            assert driver.grouped, case
+            assert driver.grouped == (builder == "step"), case  # the interleaved hook makes no groups
         # Loading a state dict waits first: nothing still in flight can write over what it loads.
         x = batch(rank, 9)
         ddp(x).square().sum().backward()
@@ -546,10 +534,9 @@ def _gather_during_forward(rank: int, world: int) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("step_mode", ["per_bucket", "fused"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_gather_during_forward(world: int, step_mode: str) -> None:
-    assert run_ranks(_suite, world, ["_gather_during_forward"], step_mode, timeout=300) == [1] * world
+def test_gather_during_forward(world: int) -> None:
+    assert run_ranks(_suite, world, ["_gather_during_forward"], timeout=300) == [1] * world
 
 
 # -- signatures: torch's, plus a keyword-only reduce_scatter (issue 15) -----------------------------
@@ -566,9 +553,6 @@ def test_signature_is_torchs_plus_keyword_only_reduce_scatter(name: object) -> N
     extra = ours.parameters["reduce_scatter"]
     assert extra.kind is inspect.Parameter.KEYWORD_ONLY
     assert extra.default is False
-    mode = ours.parameters["step_mode"]
-    assert mode.kind is inspect.Parameter.KEYWORD_ONLY
-    assert mode.default == "auto"
     gather = ours.parameters["gather_during_forward"]
     assert gather.kind is inspect.Parameter.KEYWORD_ONLY
     assert gather.default is False
@@ -625,8 +609,7 @@ def _with_decay_groups(builder: str, overlap: bool) -> tuple[torch.nn.Module, DD
         _decay_groups(ddp.module), optimizer_class=torch.optim.AdamW, lr=0.01, overlap_with_ddp=overlap
     )
     if overlap:
-        ddp.register_comm_hook(None, BUILDERS[builder](allreduce_hook, ddp, zero, step_mode=STEP_MODE))
-        _configured(zero)
+        ddp.register_comm_hook(None, BUILDERS[builder](allreduce_hook, ddp, zero))
     return model, ddp, zero
 
 
@@ -670,24 +653,23 @@ def _param_groups(rank: int, world: int) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("step_mode", STEP_PATHS)
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_several_parameter_groups_match_non_overlapped_zero(world: int, step_mode: str) -> None:
+def test_several_parameter_groups_match_non_overlapped_zero(world: int) -> None:
     """Weight decay on the weights only (two AdamW groups): equal to non-overlapped ZeRO, resumable."""
-    assert run_ranks(_suite, world, ["_param_groups"], step_mode, timeout=300) == [1] * world
+    assert run_ranks(_suite, world, ["_param_groups"], timeout=300) == [1] * world
 
 
 # -- checkpoints at any step, and resume -----------------------------------------------------------
 
 
-def _consolidated(zero: ZeroRedundancyOptimizer) -> dict:
-    """The full optimizer state dict on every rank, as a snapshot.
+def _consolidated(zero: ZeroRedundancyOptimizer, explicit: bool = False) -> dict:
+    """The full optimizer state dict on every rank, as a snapshot (``explicit``: by :func:`zero_state_dict`).
 
     On rank 0 torch's consolidated state dict shares its tensors with the live optimizer state,
     so a copy keeps a later load into another optimizer from aliasing (and updating) them.
     """
     zero.consolidate_state_dict(to=0)
-    box = [zero.state_dict() if dist.get_rank() == 0 else None]
+    box = [(zero_state_dict(zero) if explicit else zero.state_dict()) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return copy.deepcopy(box[0])
 
@@ -703,17 +685,17 @@ def _resume(rank: int, world: int, steps: int = 4) -> None:
 
         for stop in (0, 2):
             # Interrupted run: checkpoint after `stop` steps (0: before the first update, where
-            # torch raises), restore into fresh objects, continue.
+            # torch raises) with dcomm's explicit functions, restore into fresh objects, continue.
             model, ddp, zero = overlapped(builder, optim, False, True, rs=rs)
             for step in range(stop):
                 train_step(ddp, zero, batch(rank, step), overlap=True)
             saved_model = {k: v.clone() for k, v in model.state_dict().items()}
-            saved_zero = _consolidated(zero)
+            saved_zero = _consolidated(zero, explicit=True)
             assert len(saved_zero["state"]) == (0 if stop == 0 else len(list(model.parameters())))
 
             model, ddp, zero = overlapped(builder, optim, False, True, rs=rs)
             model.load_state_dict(saved_model)
-            zero.load_state_dict(saved_zero)
+            load_zero_state_dict(zero, saved_zero)
             for step in range(stop, steps):
                 train_step(ddp, zero, batch(rank, step), overlap=True)
                 assert torch.equal(flat_parameters(model), trajectory[step]), f"{case} resumed at {stop}, step {step}"
@@ -861,8 +843,15 @@ def _errors(rank: int, world: int) -> None:
         bad_state = {"state": {}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}
         with pytest.raises(ValueError, match=r"state_dict: expected 1 parameter group of 6 parameters"):
             zero.load_state_dict(bad_state)
+        with pytest.raises(ValueError, match=r"state_dict: expected 1 parameter group of 6 parameters"):
+            load_zero_state_dict(zero, bad_state)
         with pytest.raises(RuntimeError, match=r"consolidate_state_dict"):
             zero.state_dict()
+        with pytest.raises(RuntimeError, match=r"consolidate_state_dict"):
+            zero_state_dict(zero)
+        for explicit in (zero_state_dict, functools.partial(load_zero_state_dict, state_dict=bad_state)):
+            with pytest.raises(TypeError, match=r"zero: .* expected a torch.distributed.optim.ZeroRedundancyOptimizer"):
+                explicit(ddp)
 
         # Built after a backward pass has run.
         ddp, zero = fresh()
@@ -902,7 +891,7 @@ def _released(rank: int, world: int) -> list[str]:
     for builder, rs, forward in [("step", False, False), ("interleaved", False, False), ("step", True, True)]:
         ddp, zero = _fresh_pair()
         extra = {"reduce_scatter": True, "gather_during_forward": forward} if rs else {}
-        ddp.register_comm_hook(None, BUILDERS[builder](allreduce_hook, ddp, zero, step_mode=STEP_MODE, **extra))
+        ddp.register_comm_hook(None, BUILDERS[builder](allreduce_hook, ddp, zero, **extra))
         for step in range(3):
             ddp(batch(rank, step)).sum().backward()
         refs = [weakref.ref(ddp.module), weakref.ref(ddp), weakref.ref(zero)]
@@ -978,9 +967,8 @@ def _send_groups(rank: int, world: int) -> list[str]:
       and mix two owners: 16 pieces, every one in a group (all in one, or weights with weights
       and biases with biases), and no bucket's old buffer kept.
 
-    Where every parameter is sent at the last bucket (the fused path, and hook_with_zero_step's
-    per-bucket path) each settled step then broadcasts nothing; the interleaved per-bucket path
-    still broadcasts each piece, from its group's buffer.
+    With hook_with_zero_step, where every parameter is sent at the last bucket, each settled step
+    then broadcasts nothing. The interleaved hook sends bucket by bucket and makes no groups.
     """
     seen = []
     for layout, builder in itertools.product(("weights", "autocast"), BUILDERS):
@@ -989,8 +977,7 @@ def _send_groups(rank: int, world: int) -> list[str]:
         ref_model = copy.deepcopy(model)
         ddp = DDP(model, bucket_cap_mb=0.0005)
         zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True)
-        ddp.register_comm_hook(None, BUILDERS[builder](allreduce_hook, ddp, zero, step_mode=STEP_MODE))
-        _configured(zero)
+        ddp.register_comm_hook(None, BUILDERS[builder](allreduce_hook, ddp, zero))
         ref_ddp = DDP(ref_model, bucket_cap_mb=0.0005)
         ref = ZeroRedundancyOptimizer(ref_ddp.parameters(), optimizer_class=torch.optim.Adam)
         driver = _driver(zero)
@@ -1003,38 +990,38 @@ def _send_groups(rank: int, world: int) -> list[str]:
             # Bit for bit at worlds 2 and 4; at world 3 the hook divides by 3 where DDP multiplies by 1/3.
             exact = {"rtol": 0, "atol": 0} if world in (2, 4) else {}
             torch.testing.assert_close(flat_parameters(model), flat_parameters(ref_model), **exact)
-        assert driver.grouped, (layout, builder)
         plans = list(driver.frozen.values())
         if bias:  # the layout this case is about: buckets of two owners
             assert sum(len(plan.owners) == 2 for plan in plans) == 7, (builder, [len(p.owners) for p in plans])
-        # Every piece is in a group but those of a bucket that the interleaved hook all-gathers
-        # on its own (two owners at world 2: one all-gather moves no more than their broadcasts).
-        kept_gathers = [plan for plan in plans if plan.gather]
-        assert builder == "interleaved" or not kept_gathers, (layout, builder)
-        pieces = [owner for plan in plans if not plan.gather for owner in plan.owners]
-        assert len(pieces) + sum(len(plan.owners) for plan in kept_gathers) == (16 if bias else 8), (layout, builder)
-        assert all(owner.group is not None for owner in pieces), (layout, builder)
-        assert all(plan.flat is None for plan in plans if not plan.gather), (layout, builder)  # no old buffer kept
-        groups = {id(owner.group): owner.group for owner in pieces}
-        if not kept_gathers:
-            # Owners of equal shares at worlds 2 and 4: one merged group of every piece. At world
-            # 3 the shares are 3, 3 and 2 buckets (12.5% padding merged): groups of like pieces,
-            # one per owner (3, 3 and 2 pieces; weights with weights, biases with biases).
-            assert len(groups) == (1 if world in (2, 4) else (2 if bias else 1) * 3), (layout, builder, len(groups))
-        assert sum(group.members for group in groups.values()) == len(pieces), (layout, builder)
-        # The last step's broadcasts: none where every parameter is sent at the last bucket.
-        expected = len(pieces) if builder == "interleaved" and driver.mode == "per_bucket" else 0
-        assert len(broadcasts) == expected, (layout, builder, driver.mode, len(broadcasts))
         seen.append(f"{layout}-{builder}")
+        if builder == "interleaved":
+            # A broadcast per piece, but those of a bucket all-gathered on its own (two owners at
+            # world 2: one all-gather moves no more than their broadcasts).
+            assert not driver.grouped, layout
+            expected = sum(len(plan.owners) for plan in plans if not plan.gather)
+            assert len(broadcasts) == expected, (layout, len(broadcasts), expected)
+            continue
+        # Every piece is in a group, and no bucket's old buffer is kept.
+        assert driver.grouped, layout
+        pieces = [owner for plan in plans for owner in plan.owners]
+        assert not any(plan.gather for plan in plans), layout
+        assert len(pieces) == (16 if bias else 8), layout
+        assert all(owner.group is not None for owner in pieces), layout
+        assert all(plan.flat is None for plan in plans), layout
+        groups = {id(owner.group): owner.group for owner in pieces}
+        # Owners of equal shares at worlds 2 and 4: one merged group of every piece. At world 3
+        # the shares are 3, 3 and 2 buckets (12.5% padding merged): groups of like pieces, one
+        # per owner (3, 3 and 2 pieces; weights with weights, biases with biases).
+        assert len(groups) == (1 if world in (2, 4) else (2 if bias else 1) * 3), (layout, len(groups))
+        assert sum(group.members for group in groups.values()) == len(pieces), layout
+        assert len(broadcasts) == 0, (layout, len(broadcasts))  # every parameter in a group's all-gather
     return seen
 
 
 # -- the tests: few rank launches (each costs seconds), many checks per launch ---------------------
 
 
-def _suite(rank: int, world: int, parts: list[str], step_mode: str = "per_bucket", at_launch: bool = False) -> int:
-    global STEP_MODE, STEP_AT_LAUNCH
-    STEP_MODE, STEP_AT_LAUNCH = step_mode, at_launch
+def _suite(rank: int, world: int, parts: list[str]) -> int:
     for part in parts:
         result = globals()[part](rank, world)
         if part == "_matrix":
@@ -1056,50 +1043,35 @@ def _suite(rank: int, world: int, parts: list[str], step_mode: str = "per_bucket
     return len(parts)
 
 
-@pytest.mark.parametrize("step_mode", STEP_PATHS)
-def test_world2_every_step_matches_non_overlapped_zero_first_step_bf16(step_mode: str) -> None:
+def test_world2_every_step_matches_non_overlapped_zero_first_step_bf16() -> None:
     """The 16-case matrix (and reduce_scatter's 8) at world 2, torch's lost first update, bf16."""
     parts = ["_matrix", "_rs_matrix", "_first_step", "_bf16", "_reordered"]
-    assert run_ranks(_suite, 2, parts, step_mode, timeout=300) == [5, 5]
+    assert run_ranks(_suite, 2, parts, timeout=300) == [5, 5]
 
 
-@pytest.mark.parametrize("step_mode", STEP_PATHS)
-def test_world4_every_step_matches_non_overlapped_zero(step_mode: str) -> None:
-    assert run_ranks(_suite, 4, ["_matrix", "_rs_matrix", "_reordered"], step_mode, timeout=300) == [3] * 4
+def test_world4_every_step_matches_non_overlapped_zero() -> None:
+    assert run_ranks(_suite, 4, ["_matrix", "_rs_matrix", "_reordered"], timeout=300) == [3] * 4
 
 
-@pytest.mark.parametrize("step_mode", STEP_PATHS)
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_accumulated_gradients_and_wrong_averaging(world: int, step_mode: str) -> None:
+def test_accumulated_gradients_and_wrong_averaging(world: int) -> None:
     """Accumulation without zero_grad equals plain ZeRO; a state or hook over other ranks raises; the
     parameter collectives are waited for after DDP's copy of the averaged gradients."""
     parts = ["_accumulation", "_wrong_averaging", "_waits_after_ddp", "_send_groups"]
-    assert run_ranks(_suite, world, parts, step_mode, timeout=300) == [len(parts)] * world
+    assert run_ranks(_suite, world, parts, timeout=300) == [len(parts)] * world
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_per_bucket_steps_at_launch_match_non_overlapped_zero(world: int) -> None:
-    """hook_with_zero_step's per-bucket path stepping each bucket at launch (the CUDA behaviour, forced
-    on gloo): every step equals plain ZeRO, accumulation and unused parameters included, and every
-    parameter is sent at the last bucket in send groups."""
-    parts = ["_matrix", "_accumulation", "_unused", "_send_groups"]
-    assert run_ranks(_suite, world, parts, "per_bucket", True, timeout=300) == [len(parts)] * world
-
-
-@pytest.mark.parametrize("step_mode", STEP_PATHS)
-def test_checkpoints_resume_errors_and_fallback(step_mode: str) -> None:
+def test_checkpoints_resume_errors_and_fallback() -> None:
     """Checkpoint at step 0 and 2 and resume; a non-overlapped checkpoint resumes; every error; freed."""
     parts = ["_resume", "_interchangeable", "_errors", "_fallback", "_released"]
-    assert run_ranks(_suite, 2, parts, step_mode, timeout=300) == [5, 5]
+    assert run_ranks(_suite, 2, parts, timeout=300) == [5, 5]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("step_mode", STEP_PATHS)
 @pytest.mark.parametrize("world", [2, 3])
-def test_globally_unused_parameter_is_not_stepped(world: int, step_mode: str) -> None:
+def test_globally_unused_parameter_is_not_stepped(world: int) -> None:
     """find_unused_parameters=True: a parameter no rank used (or frozen) is skipped, as plain ZeRO does."""
-    assert run_ranks(_suite, world, ["_unused"], step_mode, timeout=300) == [1] * world
+    assert run_ranks(_suite, world, ["_unused"], timeout=300) == [1] * world
 
 
 def test_fused_local_step_only_where_torch_picks_adams_implementation() -> None:
@@ -1178,13 +1150,13 @@ def _fused_local_step_checks(rank: int, world: int) -> list[bool]:
     driver_module.fusable = anywhere
     differs = []
     try:
-        for builder, mode, rs in itertools.product(BUILDERS, STEP_PATHS, (False, True)):
+        for builder, rs in itertools.product(BUILDERS, (False, True)):
             model = make_model()
             ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
             zero = ZeroRedundancyOptimizer(
                 ddp.parameters(), optimizer_class=torch.optim.Adam, overlap_with_ddp=True, lr=0.01
             )
-            hook = BUILDERS[builder](allreduce_hook, ddp, zero, shard_buckets=True, reduce_scatter=rs, step_mode=mode)
+            hook = BUILDERS[builder](allreduce_hook, ddp, zero, shard_buckets=True, reduce_scatter=rs)
             ddp.register_comm_hook(None, hook)
             runs = {}
             for name, adam in (("fused", {"fused": True}), ("foreach", {})):
@@ -1200,7 +1172,7 @@ def _fused_local_step_checks(rank: int, world: int) -> list[bool]:
                     train_step(ref_ddp, ref, x, overlap=False)
                 ours = flat_parameters(model)
                 fused_ref, foreach_ref = (flat_parameters(runs[name][0]) for name in ("fused", "foreach"))
-                where = f"{builder} {mode} reduce_scatter={rs} step {step}"
+                where = f"{builder} reduce_scatter={rs} step {step}"
                 if rs or world > 2:
                     torch.testing.assert_close(
                         ours, fused_ref, rtol=1e-5, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}"

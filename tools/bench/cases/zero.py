@@ -5,9 +5,7 @@ no optimizer at all: no overlap of the step and its parameter collectives can be
 ``zero/bound`` is the floor of every ratio to the reference), torch's and dcomm's ``hook_with_zero_step`` and
 ``hook_with_zero_step_interleaved``, and dcomm's ``reduce_scatter=True`` mode of each (one
 reduce-scatter and one all-gather per bucket), and each also with ``gather_during_forward=True``
-(``+gf``: the next forward waits for each module's parameters). dcomm's variants choose their step path
-(``step_mode="auto"``, reported as ``step mode``); ``dcomm step fused``, ``dcomm step per_bucket``
-and their ``+rs``, ``+gf`` and ``+rs+gf`` forms force one. A ``reduce_scatter`` variant reports
+(``+gf``: the next forward waits for each module's parameters). A ``reduce_scatter`` variant reports
 ``fallback_count`` of its hook: buckets allreduced instead, after DDP settled its buckets. The
 ``... fused-adam`` variants use Adam with ``fused=True`` on both sides (rows ``zero/step
 fused-adam`` against ``no overlap fused-adam``); ``dcomm step foreach-adam`` (and ``+rs``) choose
@@ -22,7 +20,7 @@ Example::
 
     >>> case = zero_case(ctx)  # doctest: +SKIP
     >>> case.variants["dcomm step+rs"]().details()  # after the rounds  # doctest: +SKIP
-    {'step mode': 'fused', 'fallback buckets': 0}
+    {'fallback buckets': 0}
 """
 
 from __future__ import annotations
@@ -41,17 +39,15 @@ __all__ = ["ZERO_HOOKS", "build_zero", "zero_case"]
 
 ZERO_HOOKS = {"step": "hook_with_zero_step", "interleaved": "hook_with_zero_step_interleaved"}
 
-STEP_MODES = ("fused", "per_bucket")
 WARMUP_STEPS = 20
-"""torch's overlap hooks only start updating parameters after 2-3 steps; dcomm's ``step_mode="auto"``
-times both paths over its 2nd to 17th backward passes and keeps one from the 18th."""
+"""torch's overlap hooks only start updating parameters after 2-3 steps, and DDP settles its
+buckets after the first; every variant is timed in its steady state."""
 
 
 def build_zero(
     ctx: Context,
     overlap: tuple[str, str] | None,
     reduce_scatter: bool = False,
-    step_mode: str | None = None,
     gather_during_forward: bool = False,
     python: bool = False,
     fused_adam: bool = False,
@@ -59,7 +55,6 @@ def build_zero(
 ) -> Variant:
     """DDP + ZeroRedundancyOptimizer(Adam); ``overlap = (impl, hook row)`` steps inside backward.
 
-    ``step_mode`` (dcomm only) forces a step path; None keeps the hook's default (``"auto"``).
     ``gather_during_forward`` (dcomm) lets the next forward wait for each module's parameters.
     ``python`` (dcomm): register the hook as a Python hook only. ``fused_adam``: Adam with
     ``fused=True`` (one kernel per step on CUDA) instead of torch's default foreach Adam;
@@ -78,21 +73,16 @@ def build_zero(
     impl, name = overlap
     wrapper = resolve(impl, ZERO_HOOKS[name])
     extra: dict[str, object] = {"reduce_scatter": True, "shard_buckets": True} if reduce_scatter else {}
-    if step_mode is not None:
-        extra["step_mode"] = step_mode
     if gather_during_forward:
         extra["gather_during_forward"] = True
     hook = wrapper(resolve(impl, "allreduce_hook"), ddp, zero, **extra)
     register_hook(ddp, None, hook, impl, python)
-    if impl != "dcomm":
+    if impl != "dcomm" or not reduce_scatter:
         return Variant(train_step(ctx, ddp, None))
-    from dcomm.ddp import fallback_count, step_mode_of
+    from dcomm.ddp import fallback_count
 
     def details() -> dict[str, object]:
-        said: dict[str, object] = {"step mode": step_mode_of(hook)}
-        if reduce_scatter:
-            said["fallback buckets"] = fallback_count(hook)
-        return said
+        return {"fallback buckets": fallback_count(hook)}
 
     return Variant(train_step(ctx, ddp, None), details)
 
@@ -113,15 +103,9 @@ def zero_case(ctx: Context) -> Case:
         case.pairs.append(Pair(f"zero/{name}+rs", f"dcomm {name}+rs", "no overlap", "dcomm/reference"))
     for name, rs in itertools.product(ZERO_HOOKS, (False, True)):
         variant = f"dcomm {name}{'+rs' if rs else ''}+gf"
-        case.variants[variant] = lambda name=name, rs=rs: build_zero(ctx, ("dcomm", name), rs, None, True)
+        case.variants[variant] = lambda name=name, rs=rs: build_zero(ctx, ("dcomm", name), rs, True)
         label = f"zero/{name}{'+rs' if rs else ''}+gather_during_forward"
         case.pairs.append(Pair(label, variant, "no overlap", "dcomm/reference"))
-    # The two step paths forced (hook_with_zero_step; on the fused path the interleaved hook is the same).
-    for mode, rs, gf in itertools.product(STEP_MODES, (False, True), (False, True)):
-        name = f"step{'+rs' if rs else ''}{'+gf' if gf else ''} {mode}"
-        variant = f"dcomm {name}"
-        case.variants[variant] = lambda mode=mode, rs=rs, gf=gf: build_zero(ctx, ("dcomm", "step"), rs, mode, gf)
-        case.pairs.append(Pair(f"zero/{name}", variant, "no overlap", "dcomm/reference"))
     # Adam with fused=True on both sides: what the step costs when it is one kernel.
     case.variants["no overlap fused-adam"] = lambda: build_zero(ctx, None, fused_adam=True)
     # dcomm's local step on torch's foreach kernels (foreach=True chosen): what its fused default saves.

@@ -8,7 +8,6 @@ Example::
 """
 
 from dcomm.core.__about__ import __version__
-from dcomm.core._torch_private import foreach_copy_, foreach_div_, foreach_sub_, storage_at, views_like
 from dcomm.core.average_plan import AveragePlan, average_sync, plan_average
 from dcomm.core.collectives import (
     all_gather_single,
@@ -43,6 +42,7 @@ from dcomm.core.quantization import (
 )
 from dcomm.core.quantized_average import QuantizedAverage, quantized_average_bytes
 from dcomm.core.state import DefaultState, LowPrecisionState
+from dcomm.core.torch_private import foreach_copy_, foreach_div_, foreach_sub_, storage_at, views_like
 
 __all__ = [
     "allreduce_options",

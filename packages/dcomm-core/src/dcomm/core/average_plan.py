@@ -30,9 +30,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from dcomm.core._torch_private import make_nccl_premul_sum
 from dcomm.core.collectives import reduce_scatter_single, reduced_by_nccl, resolve_group
 from dcomm.core.divide_factors import divide_factors
+from dcomm.core.torch_private import make_nccl_premul_sum
 from dcomm.core.validation import one_of
 
 __all__ = ["ARITHMETICS", "AveragePlan", "average_sync", "plan_average"]

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dcomm.core.torch_private import allgather_base, allgather_options, reduce_scatter_base
+
 __all__ = [
     "all_gather_single",
     "completed_future",
@@ -103,7 +105,7 @@ def reduced_by_nccl(group: dist.ProcessGroup, tensor: torch.Tensor | torch.devic
         return False
 
 
-def _work_future(work: dist.Work) -> torch.futures.Future:
+def work_future(work: dist.Work) -> torch.futures.Future:
     """The work's future; backends without one (gloo reduce-scatter) complete it eagerly."""
     try:
         return work.get_future()
@@ -196,8 +198,8 @@ def start_allreduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: Any = di
     """Start reducing ``tensor`` in place over ``group`` (``op``, a sum by default); return the work handle.
 
     It calls the process group directly, with the options and complex-number handling of
-    ``dist.all_reduce(..., async_op=True)`` but without its checks, which cost about 10 us of host
-    time per call: a comm hook pays that once per bucket on the backward pass's critical path.
+    ``dist.all_reduce(..., async_op=True)`` but without its checks, whose host time a comm hook
+    would pay once per bucket on the backward pass's critical path.
     ``group`` must be a group this process belongs to (hooks are handed one). A complex
     ``tensor`` is reduced as its real view, so it takes ``SUM``, ``AVG`` or ``PREMUL_SUM``; an op
     that orders or combines bits (``MAX``, ``PRODUCT``, ``BAND``, ...) raises ``ValueError``.
@@ -217,7 +219,7 @@ def _reduce_scatter_sum_options() -> Any:
 
 
 _RS_SUM = _reduce_scatter_sum_options()
-_ALLGATHER = torch._C._distributed_c10d.AllgatherOptions()
+_ALLGATHER = allgather_options()
 
 
 def start_reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
@@ -231,7 +233,7 @@ def start_reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, group: dist
 
         >>> start_reduce_scatter(shard, flat, dist.group.WORLD).wait()  # doctest: +SKIP
     """
-    return group._reduce_scatter_base(output, tensor, _RS_SUM)
+    return reduce_scatter_base(group, output, tensor, _RS_SUM)
 
 
 def start_all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
@@ -243,7 +245,7 @@ def start_all_gather(output: torch.Tensor, tensor: torch.Tensor, group: dist.Pro
 
         >>> start_all_gather(flat, shard, dist.group.WORLD).wait()  # doctest: +SKIP
     """
-    return group._allgather_base(output, tensor, _ALLGATHER)
+    return allgather_base(group, output, tensor, _ALLGATHER)
 
 
 def completed_future(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -312,4 +314,4 @@ def reduce_scatter_future(
         tensor.div_(predivide)
     work = reduce_scatter_single(output, tensor.reshape(-1), group, op=op, async_op=True)
     assert work is not None
-    return _work_future(work).then(lambda f: _divided_in_place(f, output, postdivide))
+    return work_future(work).then(lambda f: _divided_in_place(f, output, postdivide))

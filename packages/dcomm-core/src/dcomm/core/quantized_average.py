@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcomm.core.collectives import _work_future, group_size, resolve_group, start_all_gather
+from dcomm.core.collectives import group_size, resolve_group, start_all_gather, work_future
 from dcomm.core.low_precision import keep_until_stream_done
 from dcomm.core.quantization import (
     QUANTIZED_FORMATS,
@@ -375,7 +375,7 @@ class PendingQuantizedAverage:
             work = dist.all_to_all_single(buffers.received, buffers.send, group=self._group, async_op=True)
         else:
             work = start_all_gather(buffers.gathered.view(-1), buffers.send.view(-1), resolve_group(self._group))
-        self._future = _work_future(work)
+        self._future = work_future(work)
         return self._future
 
     def advance(self) -> None:
@@ -413,7 +413,7 @@ class PendingQuantizedAverage:
                 keep_until_stream_done(shard_error)
             keep_until_stream_done(buffers.received)
             work = start_all_gather(buffers.gathered.view(-1), buffers.row.view(-1), resolve_group(self._group))
-            self._future = _work_future(work)
+            self._future = work_future(work)
 
     def result(self) -> torch.Tensor:
         """The averaged tensor (the one given to ``begin``), once the last collective is done.

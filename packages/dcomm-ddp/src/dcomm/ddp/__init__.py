@@ -31,8 +31,9 @@ from dcomm.ddp.zero_overlap import (
     fallback_count,
     hook_with_zero_step,
     hook_with_zero_step_interleaved,
-    step_mode_of,
+    load_zero_state_dict,
     wait_for_parameters,
+    zero_state_dict,
 )
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "hook_with_zero_step",
     "hook_with_zero_step_interleaved",
     "fallback_count",
-    "step_mode_of",
     "wait_for_parameters",
+    "zero_state_dict",
+    "load_zero_state_dict",
 ]

@@ -100,6 +100,13 @@ class LowPrecisionReduceScatter(AveragingReduceScatter):
     stream, so their memory is never reused while the reduce-scatter is in flight. Each such call
     adds 1 to ``fallbacks``; the first one in a process warns once, on rank 0.
 
+    Args:
+        dtype: ``torch.float16`` or ``torch.bfloat16``, the dtype the gradients travel in.
+
+    Raises:
+        ValueError: ``dtype`` is not fp16 or bf16; on a call, ``op`` is not ``SUM`` or the input
+            is not ``world`` times the output.
+
     Example::
 
         >>> fsdp_module.set_custom_reduce_scatter(LowPrecisionReduceScatter(torch.float16))  # doctest: +SKIP
@@ -179,6 +186,16 @@ def low_precision_mp_policy(
     :func:`use_low_precision_reduction` sets the same reduce dtype on modules built without it
     (through FSDP2 internals); passing this policy needs only public API.
 
+    Args:
+        dtype: ``torch.float16`` or ``torch.bfloat16``, the reduce dtype.
+        param_dtype, output_dtype, cast_forward_inputs: passed to ``MixedPrecisionPolicy``.
+
+    Returns:
+        A ``torch.distributed.fsdp.MixedPrecisionPolicy``.
+
+    Raises:
+        ValueError: ``dtype`` is not fp16 or bf16.
+
     Example::
 
         >>> low_precision_mp_policy(torch.float16).reduce_dtype
@@ -254,11 +271,19 @@ def use_low_precision_reduction(module: nn.Module, dtype: torch.dtype = torch.bf
     accumulated without reduction (``set_requires_gradient_sync(False)``) are kept in ``dtype``,
     and an fp16 gradient element beyond fp16's range (65504) overflows in the copy-in. The sum of
     the ranks is divided before by ``divide_factors(world)[0]`` (torch's FSDP factors), so, as with
-    torch, it overflows where the mean exceeds 65504 * pre / world (32752 at 4 ranks). Returns the
-    reduce-scatter.
+    torch, it overflows where the mean exceeds 65504 * pre / world (32752 at 4 ranks).
 
-    Raises ``ValueError`` for a dtype other than fp16/bf16, a module without ``fully_shard``, or
-    HSDP (a 2-D mesh with replication); ``RuntimeError`` on a torch without the FSDP2 methods.
+    Args:
+        module: a model with ``fully_shard`` applied to it or to its submodules.
+        dtype: ``torch.float16`` or ``torch.bfloat16``.
+
+    Returns:
+        The :class:`LowPrecisionReduceScatter` (installed unless torch's own bf16 reduction was kept).
+
+    Raises:
+        ValueError: a dtype other than fp16/bf16, a module without ``fully_shard``, or HSDP (a 2-D
+            mesh with replication).
+        RuntimeError: a torch without the FSDP2 methods.
 
     Example::
 

@@ -42,7 +42,7 @@ from dcomm.core import (
 __all__ = ["allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "reduce_scatter_hook"]
 
 
-def _check_state(state: Any, hook: str, *, low_precision: bool) -> dist.ProcessGroup:
+def check_state(state: Any, hook: str, *, low_precision: bool) -> dist.ProcessGroup:
     """Return ``state.process_group``; else a TypeError (not a state) or ValueError (no group) naming the fix."""
     wanted = "LowPrecisionState" if low_precision else "DefaultState"
     group = getattr(state, "process_group", None)
@@ -82,14 +82,26 @@ def allreduce_hook(state: DefaultState, grad: torch.Tensor) -> None:
 
     ``grad`` is divided by ``state.gradient_predivide_factor``, summed over the group and divided
     by ``state.gradient_postdivide_factor``: the same arithmetic as FSDP's built-in reduction, so
-    the result is bit-identical to it and to torch's ``allreduce_hook``.
+    the result is bit-identical to it and to torch's ``allreduce_hook``. Use it where you want
+    FSDP's own arithmetic from a hook (to wrap or extend it); FSDP without a hook does the same.
+
+    Args:
+        state: a :class:`dcomm.core.DefaultState` over the group FSDP shards over.
+        grad: the flat gradient FSDP passes; averaged in place.
+
+    Returns:
+        None: ``grad`` holds the average.
+
+    Raises:
+        TypeError: ``state`` is not a hook state (no ``process_group``).
+        ValueError: ``state.process_group`` is None.
 
     Example::
 
         >>> model = FSDP(net, sharding_strategy=ShardingStrategy.NO_SHARD)  # doctest: +SKIP
         >>> model.register_comm_hook(DefaultState(dist.group.WORLD), allreduce_hook)  # doctest: +SKIP
     """
-    group = _check_state(state, "allreduce_hook", low_precision=False)
+    group = check_state(state, "allreduce_hook", low_precision=False)
     average_sync(grad, group, _plan(state, group, grad))
 
 
@@ -100,12 +112,25 @@ def reduce_scatter_hook(state: DefaultState, grad: torch.Tensor, output: torch.T
     it is pre-divided in place, summed and scattered into ``output``, which is then post-divided.
     Bit-identical to FSDP's built-in reduction and to torch's ``reduce_scatter_hook``.
 
+    Args:
+        state: a :class:`dcomm.core.DefaultState` over the group FSDP shards over.
+        grad: the padded flat gradient FSDP passes (FSDP's scratch: divided in place).
+        output: this rank's shard of the gradient, written with the average.
+
+    Returns:
+        None: ``output`` holds this rank's shard of the average.
+
+    Raises:
+        TypeError: ``state`` is not a hook state (no ``process_group``).
+        ValueError: ``state.process_group`` is None, or ``grad`` is not ``output`` times the group
+            size (a state over another group).
+
     Example::
 
         >>> model = FSDP(net, sharding_strategy=ShardingStrategy.FULL_SHARD)  # doctest: +SKIP
         >>> model.register_comm_hook(DefaultState(dist.group.WORLD), reduce_scatter_hook)  # doctest: +SKIP
     """
-    group = _check_state(state, "reduce_scatter_hook", low_precision=False)
+    group = check_state(state, "reduce_scatter_hook", low_precision=False)
     _check_shard_sizes("reduce_scatter_hook", state, grad, output)
     average_sync(grad, group, _plan(state, group, grad), output=output)
 
@@ -127,7 +152,7 @@ def _write_back(state: LowPrecisionState, target: torch.Tensor, low: torch.Tenso
 def _low_precision_hook(
     dtype: torch.dtype, name: str, state: LowPrecisionState, grad: torch.Tensor, output: torch.Tensor | None
 ) -> None:
-    group = _check_state(state, name, low_precision=True)
+    group = check_state(state, name, low_precision=True)
     op, pre, post = _plan(state, group, grad)
     if output is not None:
         _check_shard_sizes(name, state, grad, output)
@@ -153,7 +178,26 @@ def fp16_compress_hook(state: LowPrecisionState, grad: torch.Tensor, output: tor
 
     With ``output`` None (``NO_SHARD``) ``grad`` is all-reduced, otherwise reduce-scattered into
     ``output``. The fp16 copy is pre-divided while it is cast, summed, and post-divided while it
-    is cast back to ``state.parameter_type`` (in place when the dtypes already agree).
+    is cast back to ``state.parameter_type`` (in place when the dtypes already agree). Halves the
+    bytes on the wire; fp16 keeps 10 mantissa bits but overflows beyond 65504 (the pre-divide
+    keeps sums of up to ``world`` such values in range), so prefer :func:`bf16_compress_hook`
+    for gradients that can be large. Unlike torch's hook it never relies on FSDP recognising it:
+    FSDP keeps its own dtype casts around it, so the gradients are right for every sharding
+    strategy and mixed-precision setting.
+
+    Args:
+        state: a :class:`dcomm.core.LowPrecisionState` over the group FSDP shards over, whose
+            ``parameter_type`` is the dtype the result is written back in.
+        grad: the flat gradient FSDP passes.
+        output: this rank's shard (sharded strategies); None for ``NO_SHARD``.
+
+    Returns:
+        None: ``grad`` (``NO_SHARD``) or ``output`` holds the average, in ``state.parameter_type``.
+
+    Raises:
+        TypeError: ``state`` is not a hook state (no ``process_group``), or has no ``parameter_type``.
+        ValueError: ``state.process_group`` is None, or ``grad`` is not ``output`` times the group
+            size.
 
     Example::
 
@@ -168,6 +212,17 @@ def bf16_compress_hook(state: LowPrecisionState, grad: torch.Tensor, output: tor
 
     Like :func:`fp16_compress_hook` with bf16: the wider exponent range of bf16 makes overflow
     unlikely, at the cost of a coarser mantissa (about 1e-2 relative error).
+
+    Args:
+        state: a :class:`dcomm.core.LowPrecisionState`, as for :func:`fp16_compress_hook`.
+        grad: the flat gradient FSDP passes.
+        output: this rank's shard (sharded strategies); None for ``NO_SHARD``.
+
+    Returns:
+        None: ``grad`` (``NO_SHARD``) or ``output`` holds the average, in ``state.parameter_type``.
+
+    Raises:
+        TypeError, ValueError: as :func:`fp16_compress_hook`.
 
     Example::
 

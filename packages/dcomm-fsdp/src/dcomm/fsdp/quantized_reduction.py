@@ -41,6 +41,14 @@ class QuantizedReduceScatter(AveragingReduceScatter):
     collective is synchronous on the calling (FSDP2's reduce-scatter) stream, and its buffers are
     tied to that stream. ``bytes_sent`` counts the bytes this rank has sent.
 
+    Args:
+        dtype: ``"int8"`` or ``"fp8"`` (e4m3), the format of the quantized chunks.
+        block_size: values per float32 scale, an even number >= 2 (256 by default).
+
+    Raises:
+        ValueError: another ``dtype`` or a bad ``block_size``; on a call, ``op`` is not ``SUM`` or
+            the input is not ``world`` times the output.
+
     Example::
 
         >>> fsdp_module.set_custom_reduce_scatter(QuantizedReduceScatter("fp8"))  # doctest: +SKIP
@@ -95,11 +103,21 @@ def use_quantized_reduction(module: nn.Module, dtype: str = "int8", block_size: 
     factor of 1 and SUM-only reductions, so the average is taken once, in fp32, from the
     dequantized chunks. Each value of the averaged shard is off the exact average by at most the
     ranks' mean rounding error: half a step of its block (int8: 1/254 of the block maximum; fp8:
-    2^-4 of the value). There is no error feedback. Returns the installed reduce-scatter (its
-    ``bytes_sent`` counts this rank's bytes).
+    2^-4 of the value). There is no error feedback, so use it where that rounding is acceptable
+    (large data-parallel jobs on a slow link); on a fast link fp16/bf16 are the safer choice.
 
-    Raises ``ValueError`` for a dtype other than "int8"/"fp8", a module without ``fully_shard``, or
-    HSDP (a 2-D mesh with replication); ``RuntimeError`` on a torch without the FSDP2 methods.
+    Args:
+        module: a model with ``fully_shard`` applied to it or to its submodules.
+        dtype: ``"int8"`` or ``"fp8"``.
+        block_size: values per float32 scale (even, >= 2).
+
+    Returns:
+        The installed :class:`QuantizedReduceScatter` (its ``bytes_sent`` counts this rank's bytes).
+
+    Raises:
+        ValueError: a dtype other than "int8"/"fp8", a module without ``fully_shard``, or HSDP (a
+            2-D mesh with replication).
+        RuntimeError: a torch without the FSDP2 methods.
 
     Example::
 

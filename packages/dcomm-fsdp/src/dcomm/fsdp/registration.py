@@ -23,9 +23,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from dcomm.fsdp._torch_private import hybrid_zero2_strategy
 from dcomm.fsdp.hooks import (
-    _check_state,
     allreduce_hook,
     bf16_compress_hook,
+    check_state,
     fp16_compress_hook,
     reduce_scatter_hook,
 )
@@ -39,12 +39,25 @@ _LOW_PRECISION = (fp16_compress_hook, bf16_compress_hook)
 def register_comm_hook(module: FullyShardedDataParallel, state: Any, hook: Callable[..., None]) -> None:
     """Check ``module``, ``state`` and ``hook``, then ``module.register_comm_hook(state, hook)``.
 
-    Raises ``ValueError`` for a hybrid strategy (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``) in
-    any FSDP unit, :func:`allreduce_hook` on a sharded strategy or :func:`reduce_scatter_hook` on
-    ``NO_SHARD``, a state whose process group is None, and a state whose group size differs from
-    the module's; ``TypeError`` for a module that is not the root FSDP instance, a hook that is not
-    callable, a state that is not a hook state (or, for the fp16/bf16 hooks, has no
-    ``parameter_type``).
+    ``FullyShardedDataParallel.register_comm_hook`` takes anything and fails later, or with a bare
+    ``AssertionError``; this raises at once with the argument, its value and the fix.
+
+    Args:
+        module: the root ``FullyShardedDataParallel`` instance.
+        state: the hook's state, e.g. ``DefaultState(model.process_group)`` or
+            ``LowPrecisionState(model.process_group, parameter_type=torch.float32)``.
+        hook: a ``dcomm.fsdp`` hook that fits the sharding strategy (or any callable hook).
+
+    Returns:
+        None: the hook is registered.
+
+    Raises:
+        ValueError: a hybrid strategy (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``) in any FSDP unit,
+            :func:`allreduce_hook` on a sharded strategy or :func:`reduce_scatter_hook` on
+            ``NO_SHARD``, a state whose process group is None, a state whose group size differs
+            from the module's.
+        TypeError: a module that is not the root FSDP instance, a hook that is not callable, a
+            state that is not a hook state (or, for the fp16/bf16 hooks, has no ``parameter_type``).
 
     Example::
 
@@ -60,7 +73,7 @@ def register_comm_hook(module: FullyShardedDataParallel, state: Any, hook: Calla
     if not callable(hook):
         raise TypeError(f"hook: expected a callable such as dcomm.fsdp.allreduce_hook, got {hook!r}")
     name = getattr(hook, "__name__", repr(hook))
-    group = _check_state(state, name, low_precision=hook in _LOW_PRECISION)
+    group = check_state(state, name, low_precision=hook in _LOW_PRECISION)
     strategies = {unit.sharding_strategy for unit in FullyShardedDataParallel.fsdp_modules(module)}
     for strategy in sorted(strategies, key=lambda s: s.value):
         if strategy in _HYBRID:

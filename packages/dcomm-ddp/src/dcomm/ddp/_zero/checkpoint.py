@@ -1,17 +1,18 @@
 """torch's per-parameter ZeRO checkpoint format for element-wise shards (``reduce_scatter=True``).
 
 With element-wise sharding the local optimizer's parameters are slices of flat bucket buffers,
-so its state is per slice. :func:`install` replaces ``state_dict`` and ``load_state_dict`` on the
-``ZeroRedundancyOptimizer`` instance: ``state_dict()`` joins the slices that
-``consolidate_state_dict()`` gathered and cuts them back into parameters (the format of a
-non-overlapped ``ZeroRedundancyOptimizer``); values that are not element-wise (Adam's ``step``)
-come from rank 0. ``load_state_dict()`` does the reverse, so checkpoints move freely between
-this path, the other overlap paths and non-overlapped ZeRO.
+so its state is per slice. :func:`state_dict` joins the slices that ``consolidate_state_dict()``
+gathered and cuts them back into parameters (the format of a non-overlapped
+``ZeroRedundancyOptimizer``); values that are not element-wise (Adam's ``step``) come from rank 0.
+:func:`load_state_dict` does the reverse, so checkpoints move freely between this path, the
+other overlap paths and non-overlapped ZeRO. The public entry points are
+:func:`dcomm.ddp.zero_state_dict` and :func:`dcomm.ddp.load_zero_state_dict`.
 
 Example::
 
-    >>> install(zero, shards)  # doctest: +SKIP
-    >>> zero.consolidate_state_dict(to=0); saved = zero.state_dict()  # doctest: +SKIP
+    >>> zero.consolidate_state_dict(to=0)  # doctest: +SKIP
+    >>> saved = state_dict(zero, shards)  # on rank 0  # doctest: +SKIP
+    >>> load_state_dict(zero, shards, saved)  # on every rank  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -27,12 +28,6 @@ from dcomm.ddp._zero.layout import Shard
 # State entries that are per-step scalars even for 0-dim parameters (used only to classify the
 # state of buckets made of 0-dim parameters alone, where shapes cannot tell).
 _SCALAR_KEYS = ("step", "eta", "mu")
-
-
-def install(zero: ZeroRedundancyOptimizer, shards: list[Shard]) -> None:
-    """Make ``zero.state_dict()`` / ``zero.load_state_dict()`` speak torch's format over ``shards``."""
-    zero.state_dict = lambda: state_dict(zero, shards)  # type: ignore[method-assign]
-    zero.load_state_dict = lambda state_dict: load_state_dict(zero, shards, state_dict)  # type: ignore[method-assign]
 
 
 def _joined(shard: Shard, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,11 +1,11 @@
 """What every ZeRO overlap driver does per DDP bucket, whatever it owns.
 
 A driver is the state behind one wrapped hook. The base class runs the first-call checks, keeps the
-CUDA side stream, picks the step path of each backward pass (see :mod:`dcomm.ddp._zero.step_mode`),
-queues each bucket until it is updated (at once, behind the next bucket with the interleaved hook,
-or all together at the last bucket on the fused path), runs the local optimizer on a subset of its
-parameters, and waits for the parameter collectives before the next forward: at the end of backward,
-or, with ``gather_during_forward``, in each module's next forward for that module's own parameters.
+CUDA side stream, queues each bucket until it is updated (behind the next bucket with
+``hook_with_zero_step_interleaved``; all together at the last bucket, in one local step, with
+``hook_with_zero_step``), runs the local optimizer on a subset of its parameters, and waits for the
+parameter collectives before the next forward: at the end of backward, or, with
+``gather_during_forward``, in each module's next forward for that module's own parameters.
 :class:`ParameterDriver` and :class:`ShardedDriver` say what a bucket's update is.
 
 Example::
@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,10 +35,11 @@ from dcomm.core import all_gather_single, start_all_gather
 from dcomm.ddp._zero.forward_waits import ForwardWaits
 from dcomm.ddp._zero.fused_step import fusable, fused
 from dcomm.ddp._zero.layout import partition
-from dcomm.ddp._zero.step_mode import log_fixed_choice, logger, step_calibration
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 Checks = Callable[[Any], None]
+
+logger = logging.getLogger("dcomm.ddp.zero_overlap")
 
 
 def optimizer_class(zero: ZeroRedundancyOptimizer) -> type[torch.optim.Optimizer]:
@@ -94,9 +96,8 @@ class Setup:
     ddp: DistributedDataParallel
     zero: ZeroRedundancyOptimizer
     buckets: list[list[torch.Tensor]]  # DDP's expected settled buckets
-    interleaved: bool  # update each bucket behind the next one, or all after the last
+    interleaved: bool  # update each bucket behind the next one, or all in one step at the last
     first_call_checks: Checks
-    step_mode: str = "per_bucket"  # "per_bucket", "fused" or "auto" (see step_mode.py)
     gather_during_forward: bool = False  # wait for each module's parameters in the next forward
 
 
@@ -104,9 +105,9 @@ class Driver:
     """Per-(ddp, zero) state shared by every call of one wrapped hook.
 
     Subclasses implement :meth:`launch` (communicate one bucket's gradient; return an item with
-    a ``fut`` attribute, the future DDP gets), :meth:`complete` (update the bucket's parameters
-    and send them out) and :meth:`complete_all` (the fused path: one step over every bucket's
-    parameters, then send them all out).
+    a ``fut`` attribute, the future DDP gets), :meth:`complete` (the interleaved hook: update the
+    bucket's parameters and send them out) and :meth:`complete_all` (``hook_with_zero_step``: one
+    step over every bucket's parameters at the last bucket, then send them all out).
     """
 
     def __init__(self, setup: Setup, shard_buckets: bool) -> None:
@@ -131,12 +132,6 @@ class Driver:
         self._fused_step = False  # the local step runs torch's fused Adam (decided once per backward pass)
         self.stream: Any = None
         self.fallbacks = 0  # buckets allreduced instead of reduce-scattered once DDP settled
-        mode = setup.step_mode
-        if mode == "auto" and not self.per_bucket_overlaps():
-            mode = "fused"  # nothing to time: the per-bucket path would only add optimizer calls
-            log_fixed_choice(self.group, setup.interleaved)
-        self.calibration = step_calibration(self.group) if mode == "auto" else None
-        self.mode = "per_bucket" if self.calibration is not None else mode  # this backward's path
         self.settled = False  # DDP has rebuilt its buckets: a plan checked since then stays valid
         # Set when DDP's reducer runs this hook in C++ (dcomm.ddp.native_hooks): switched on, the
         # C++ hook averages every bucket and calls :meth:`run_last_bucket` once per backward.
@@ -158,7 +153,10 @@ class Driver:
     # -- what subclasses define -------------------------------------------------------------------
 
     def can_run_in_cpp(self) -> bool:
-        """Whether a C++ hook can communicate every bucket and leave only the last one to Python."""
+        """Whether a C++ hook can communicate every bucket and leave only the last one to Python.
+
+        Only ``hook_with_zero_step``'s can: the interleaved hook steps at every bucket.
+        """
         return False
 
     def register_in_cpp(self, extension: Any, reducer: Any, state: object, python_hook: Hook) -> Any:
@@ -169,10 +167,6 @@ class Driver:
         """Give the C++ hook what it needs once DDP settled; False where it cannot take over."""
         return True
 
-    def per_bucket_overlaps(self) -> bool:
-        """Whether the per-bucket path overlaps any update with backward (else "auto" is "fused")."""
-        return True
-
     def launch(self, state: Any, bucket: dist.GradBucket) -> Any:
         raise NotImplementedError
 
@@ -181,11 +175,6 @@ class Driver:
 
     def complete_all(self, items: list[Any]) -> None:
         raise NotImplementedError
-
-    def complete_at_last(self, items: list[Any]) -> None:
-        """The per-bucket path without interleaving: complete every bucket at the last one."""
-        for item in items:
-            self.complete(item)
 
     def start_backward(self) -> None:
         """Called on the first bucket of every backward."""
@@ -264,18 +253,13 @@ class Driver:
             for group, own in zip(groups, everything, strict=True):
                 group["params"] = own
 
-    def begin_backward(self, device: torch.device) -> None:
-        """Once per backward pass: pick its path and take the hyperparameters set since the last."""
+    def begin_backward(self) -> None:
+        """Once per backward pass: take the hyperparameters set since the last."""
         zero = self.zero
         private.sync_param_groups(zero, zero.param_groups, zero.optim.param_groups)
         self._fused_step = fusable(zero.optim)  # with the hyperparameters just taken
         if not self.settled and private.has_rebuilt_buckets(self.ddp):
             self.settled = True
-        if self.calibration is not None:
-            # Before DDP settled, the per-bucket path runs untimed.
-            self.mode = self.calibration.next_path(device) if self.settled else "per_bucket"
-            if self.calibration.chosen is not None:
-                self.calibration = None
         # Parameters whose modules did not run in the forward: back before their owners step them again.
         self.wait_deferred()
         self.start_backward()
@@ -349,22 +333,18 @@ class Driver:
             buffer = bucket.buffer()
             if self.stream is None and buffer.is_cuda:
                 self.stream = torch.cuda.Stream(device=buffer.device)
-            self.begin_backward(buffer.device)
+            self.begin_backward()
         item = self.launch(state, bucket)
         self.pending.append(item)
         last = bucket.is_last()
-        if self.mode == "fused":
-            if last:
-                self.complete_all(self.pending)
-                self.pending = []
-        elif self.interleaved:
+        if self.interleaved:
             # Update the previous bucket now: its step and parameter collective queue behind
             # this bucket's gradient collective, so the two pipeline instead of serializing.
             while len(self.pending) > (0 if last else 1):
                 self.complete(self.pending.pop(0))
         elif last:
-            self.complete_at_last(self.pending)
-            self.pending.clear()
+            self.complete_all(self.pending)
+            self.pending = []
         if last:
             if not self.settled:
                 for stale in [i for i in self.plans if i > index]:
@@ -372,7 +352,7 @@ class Driver:
             self.wait_gradients()  # before DDP reads any bucket
             self._backward_ended(index + 1)
             if self.native_switch is not None:
-                self._hand_over_to_cpp()
+                self._switch_to_cpp()
         return item.fut
 
     def _backward_ended(self, bucket_count: int) -> None:
@@ -387,9 +367,9 @@ class Driver:
 
     # -- run by DDP's reducer in C++ ------------------------------------------------------------
 
-    def _hand_over_to_cpp(self) -> None:
-        """Switch the C++ hook on once this backward's path is final: fused, settled, every bucket planned."""
-        if self.mode != "fused" or self.calibration is not None or self.pending or not self.planned_for_good():
+    def _switch_to_cpp(self) -> None:
+        """Switch the C++ hook on once ``hook_with_zero_step``'s buckets are final: settled, every one planned."""
+        if self.interleaved or self.pending or not self.planned_for_good():
             return
         if not self.ready_for_cpp():
             return
@@ -411,7 +391,7 @@ class Driver:
         The C++ hook has ordered the side stream (CUDA) or the host after every bucket's
         collective; ``averaged[i]`` is bucket ``indices[i]``'s averaged gradient.
         """
-        self.begin_backward(averaged[0].device)
+        self.begin_backward()
         self.complete_all([self.averaged_item(index, tensor) for index, tensor in zip(indices, averaged, strict=True)])
         self._backward_ended(len(indices))
 

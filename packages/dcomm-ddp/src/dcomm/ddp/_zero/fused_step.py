@@ -3,9 +3,8 @@
 torch's Adam and AdamW default to their ``foreach`` implementation on CUDA: a dozen passes over
 the parameters, their gradients and the two moments per step. Their ``fused=True`` kernel makes
 one pass with the same update (up to float rounding). A rank's shard of a large model is
-hundreds of MB, so the passes cost milliseconds of GPU time per step that no overlap can hide on
-a GPU kept busy by backward's GEMMs (2x H100, a 218M-parameter GPT with TF32: 3.0 ms of
-elementwise GPU time per step foreach, 1.1 ms fused). So where neither ``foreach`` nor ``fused``
+hundreds of MB, so the passes cost GPU time per step that no overlap can hide on a GPU kept busy
+by backward's GEMMs (measured in ``docs/design/zero-overlap.md``). So where neither ``foreach`` nor ``fused``
 was given (and nothing fused cannot do was asked: ``differentiable``, tensor hyperparameters,
 parameters off CUDA), the overlap hooks step with ``fused=True``. The optimizer's
 ``param_groups`` keep ``fused=None`` between steps, so state dicts keep torch's format; the step

@@ -7,10 +7,10 @@ callback per bucket on the backward pass's thread. Each parameter has one owner 
 sends it to the other ranks. A bucket's ZeRO parameters are packed by owner into one flat buffer
 that they become views of: when the owned pieces are nearly equal they are padded to one size
 and one ``all_gather_into_tensor`` returns them all, otherwise each owner broadcasts its piece.
-On the fused path every bucket's owned parameters are stepped together at the last bucket, and
-the collectives of every bucket follow back to back. Once DDP has settled its buckets, the pieces
-that owners broadcast (one owner's parameters in one bucket) are laid out in groups across owners
-(:mod:`dcomm.ddp._zero.send_groups`), so that the fused path returns each group with one all-gather
+With ``hook_with_zero_step`` every bucket's owned parameters are stepped together at the last
+bucket, and the collectives of every bucket follow back to back; once DDP has settled its buckets,
+the pieces that owners broadcast (one owner's parameters in one bucket) are laid out in groups
+across owners (:mod:`dcomm.ddp._zero.send_groups`), so that the last bucket returns each group with one all-gather
 instead of one broadcast per piece. Pieces, not buckets: where gradients arrive in another order than
 the parameters' (autocast puts a weight's cast between it and its layer's bias), DDP's settled
 buckets mix the owners chosen from the expected ones.
@@ -34,10 +34,17 @@ import torch.distributed as dist
 import dcomm.ddp._torch_private as private
 from dcomm.core import AveragePlan, completed_future, plan_average, start_allreduce
 from dcomm.ddp._zero.checks import averaging_dtype
-from dcomm.ddp._zero.driver import Driver, Setup, all_gather, all_gathers, averaged_bucket, optimizer_class
+from dcomm.ddp._zero.driver import (
+    Driver,
+    Setup,
+    all_gather,
+    all_gathers,
+    averaged_bucket,
+    logger,
+    optimizer_class,
+)
 from dcomm.ddp._zero.layout import bind_views
 from dcomm.ddp._zero.send_groups import SendGroup, choose_groups, merge_owners, pack_group
-from dcomm.ddp._zero.step_mode import logger
 
 
 @dataclass
@@ -52,7 +59,7 @@ class _Owner:
     params: list[torch.Tensor]
     offsets: list[int]  # of each parameter in the bucket's flat gradient
     positions: list[int]  # of each parameter in the bucket
-    # Set once DDP settled: the fused path sends the group's pieces with one all-gather.
+    # Set once DDP settled: hook_with_zero_step sends the group's pieces with one all-gather.
     group: SendGroup | None = None
 
 
@@ -107,7 +114,6 @@ class _Update:
     used: torch.Tensor | None = None  # per bucket parameter: 1 if any rank computed its gradient
     used_work: Any = None  # the MAX allreduce of ``used`` (find_unused_parameters=True only)
     used_here: bool = True  # this rank computed every gradient of the bucket: all are used, no need to look
-    stepped: bool = False  # its parameters were stepped at launch (the per-bucket path without interleaving)
 
 
 class ParameterDriver(Driver):
@@ -120,7 +126,6 @@ class ParameterDriver(Driver):
         private.sync_param_groups(zero, zero.optim.param_groups, zero.param_groups)
         self.averages_itself = _is_allreduce_hook(setup.hook)
         self.grouped = False  # the broadcast pieces were put into send groups
-        self.step_at_launch_off_cuda = False  # see _steps_at_launch
         self.average_plans: dict[tuple[torch.dtype, torch.device], AveragePlan] = {}
         # With find_unused_parameters=True, the ids of the parameters that got a gradient on this
         # rank since the last synchronized backward (as DDP's own used map, no_sync passes included).
@@ -132,8 +137,9 @@ class ParameterDriver(Driver):
                     p.register_hook(_marks_used(self.used, id(p)))
 
     def can_run_in_cpp(self) -> bool:
-        # The C++ hook averages as _launch does; which parameters some rank used it cannot tell.
-        return self.averages_itself and self.used is None
+        # The C++ hook averages as _launch does and steps at the last bucket only; which
+        # parameters some rank used it cannot tell.
+        return self.averages_itself and self.used is None and not self.interleaved
 
     def register_in_cpp(self, extension: Any, reducer: Any, state: object, python_hook: Any) -> Any:
         return extension.register_average_hook(
@@ -147,28 +153,6 @@ class ParameterDriver(Driver):
 
     def averaged_item(self, index: int, averaged: torch.Tensor) -> _Update:
         return _Update(self.frozen[index], completed_future(averaged), averaged.data_ptr())
-
-    def per_bucket_overlaps(self) -> bool:
-        # Without interleaving, "auto" stays fused: the per-bucket path below (each bucket stepped
-        # on the side stream behind its allreduce, every parameter sent at the last bucket) took
-        # 1.03-1.31x the fused path's step on 4x H200 (MLP, GPT, CNN; TF32 and bf16 autocast).
-        return self.interleaved
-
-    def _steps_at_launch(self) -> bool:
-        """The per-bucket path without interleaving steps each bucket as soon as its allreduce is queued.
-
-        On CUDA the step waits for that bucket's collective on the side stream (the host never
-        blocks), so it overlaps the rest of backward and the remaining allreduces; the parameters
-        are all sent at the last bucket, in send groups. Off CUDA a wait would block the host, so
-        every bucket is stepped at the last one (``step_at_launch_off_cuda`` makes tests take this
-        path on gloo).
-        """
-        if self.mode != "per_bucket" or self.interleaved:
-            return False
-        return self.stream is not None or self.step_at_launch_off_cuda
-
-    def complete_at_last(self, items: list[_Update]) -> None:
-        self.complete_all(items)
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -224,9 +208,6 @@ class ParameterDriver(Driver):
                 pinned = torch.tensor(flags, dtype=torch.int32, pin_memory=device.type == "cuda")
                 update.used = pinned.to(device, non_blocking=True)
             update.used_work = start_allreduce(update.used, self.group, dist.ReduceOp.MAX)
-        if self._steps_at_launch():
-            self.in_stream(lambda: self._step_owned(self._owned_grads(update)))
-            update.stepped = True
         return update
 
     def end_backward(self) -> None:
@@ -235,9 +216,9 @@ class ParameterDriver(Driver):
 
     def finish(self) -> None:
         super().finish()
-        if not self.grouped and self.planned_for_good():
+        if not self.grouped and not self.interleaved and self.planned_for_good():
             # Every collective of the pass waited for (the deferred ones too, this once): the
-            # parameters can move.
+            # parameters can move. (The interleaved hook sends bucket by bucket: no group to send.)
             self.wait_deferred()
             self._group_sends()
 
@@ -245,10 +226,9 @@ class ParameterDriver(Driver):
     def _group_sends(self) -> None:
         """Lay the broadcast pieces out in send groups (once, with no collective in flight)."""
         self.grouped = True
-        # A bucket of pieces padded to one size returns in one all-gather of its own. Where every
-        # parameter is sent at the last bucket (hook_with_zero_step, either path), its pieces may
-        # join groups across buckets too; the interleaved per-bucket path keeps that all-gather.
-        plans = [plan for _, plan in sorted(self.frozen.items()) if not (plan.gather and self.interleaved)]
+        # Every parameter is sent at the last bucket: the pieces of a bucket padded to one size
+        # may join groups across buckets too.
+        plans = [plan for _, plan in sorted(self.frozen.items())]
         pieces = [owner for plan in plans for owner in plan.owners]
         sizes = [(owner.numel, owner.rank, (owner.flat.dtype, owner.flat.device)) for owner in pieces]
         # Sent all at once (no forward waits each module's own): one group per kind where it pads little.
@@ -301,7 +281,7 @@ class ParameterDriver(Driver):
         self.in_stream(lambda: self._step_and_send(item))
 
     def complete_all(self, items: list[_Update]) -> None:
-        """One step over the owned parameters of every bucket not stepped yet, then send them all."""
+        """One step over the owned parameters of every bucket, then send them all."""
         self.in_stream(lambda: self._step_and_send_all(items))
 
     def _step_and_send(self, item: _Update) -> None:
@@ -309,7 +289,7 @@ class ParameterDriver(Driver):
         self._send(item.plan)
 
     def _step_and_send_all(self, items: list[_Update]) -> None:
-        self._step_owned([owned for item in items if not item.stepped for owned in self._owned_grads(item)])
+        self._step_owned([owned for item in items for owned in self._owned_grads(item)])
         # A send group whose every piece was stepped here returns in one all-gather.
         grouped = [owner.group for item in items for owner in item.plan.owners if owner.group is not None]
         stepped = Counter(id(group) for group in grouped)

@@ -16,14 +16,14 @@ bucket is ever allreduced for ZeRO's sake. Only a real bucket that also holds pa
 that those parameters get averaged gradients); after DDP has settled such a bucket warns once
 and is counted in ``fallbacks`` (see :func:`dcomm.ddp.fallback_count`).
 
-Once DDP has settled its buckets, on the fused path, a C++ hook on DDP's reducer takes over (see
+Once DDP has settled its buckets, with ``hook_with_zero_step``, a C++ hook on DDP's reducer takes over (see
 :mod:`dcomm.ddp.native_hooks`): given the pieces of every bucket, it divides them into the shards
 and starts each shard's reduce-scatter itself, and calls :meth:`ShardedDriver.run_scattered` once
 per backward pass, at the last bucket (no Python call per bucket).
 
 ``param.grad`` keeps this rank's local gradient (the averaged slice goes to the optimizer only),
 so gradients accumulated over several backward passes reduce to exactly the sum that a
-non-overlapped ZeRO steps with. On the fused path the slices of every shard are stepped together
+non-overlapped ZeRO steps with. With ``hook_with_zero_step`` the slices of every shard are stepped together
 at the last bucket, and their all-gathers follow back to back (one NCCL group where torch
 allows).
 
@@ -50,7 +50,6 @@ from dcomm.core import (
     start_reduce_scatter,
     warn_once,
 )
-from dcomm.ddp._zero import checkpoint
 from dcomm.ddp._zero.driver import Driver, Setup, all_gather, all_gathers, optimizer_class
 from dcomm.ddp._zero.layout import Shard, pack_shards
 
@@ -96,10 +95,9 @@ class ShardedDriver(Driver):
         self.fallback_buckets = 0  # over the last backward: buckets also averaged by the wrapped hook
         self._counting = [0, 0]
         self.layout = pack_shards(setup.buckets, self.rank, self.world, reduce_dtype)
-        self.where = {id(p): (s, o) for s in self.layout for p, o in zip(s.params, s.offsets, strict=True)}
+        self.shard_of = {id(p): (s, o) for s in self.layout for p, o in zip(s.params, s.offsets, strict=True)}
         zero.optim = optimizer_class(zero)([s.slice for s in self.layout], **private.optim_defaults(zero))
         private.sync_param_groups(zero, zero.optim.param_groups, zero.param_groups)
-        checkpoint.install(zero, self.layout)
 
     def _gather(self, shards: list[Shard]) -> None:
         """All-gather the updated slices of ``shards`` into their flat buffers.
@@ -120,7 +118,7 @@ class ShardedDriver(Driver):
         by_shard: dict[int, _Piece] = {}
         offset = 0
         for p in params:
-            found = self.where.get(id(p))
+            found = self.shard_of.get(id(p))
             if found is None:
                 plan.covered = False
             else:
@@ -208,7 +206,7 @@ class ShardedDriver(Driver):
             self._warn_uncovered(bucket, plan)
             fut = self.hook(state, bucket)
         item = _Pending(plan, fut, ready, scattered)
-        if self.stream is not None and self.mode == "per_bucket":
+        if self.stream is not None and self.interleaved:
             # Queue this bucket's step now, behind its reduce-scatters: it runs on the side stream
             # while backward computes the next buckets (no CPU wait on NCCL).
             self.step(item)
@@ -246,7 +244,7 @@ class ShardedDriver(Driver):
         self.in_stream(lambda: self._gather(item.ready))
 
     def complete_all(self, items: list[_Pending]) -> None:
-        """The fused path: one step over every slice, then all their all-gathers back to back."""
+        """``hook_with_zero_step``: one step over every slice, then all their all-gathers back to back."""
 
         def step_and_gather() -> None:
             for item in items:
@@ -267,7 +265,7 @@ class ShardedDriver(Driver):
     # -- run by DDP's reducer in C++ ------------------------------------------------------------
 
     def can_run_in_cpp(self) -> bool:
-        return True
+        return not self.interleaved  # the C++ hook steps at the last bucket only
 
     def register_in_cpp(self, extension: Any, reducer: Any, state: object, python_hook: Any) -> Any:
         return extension.register_scatter_hook(reducer, self.group, state, python_hook, self.run_scattered)
@@ -292,7 +290,7 @@ class ShardedDriver(Driver):
         ``indices`` are the shards in the order they were sent.
         """
         shards = [self.layout[index] for index in indices]
-        self.begin_backward(self.layout[0].send.device)
+        self.begin_backward()
         self._counting = [self.bucket_count, 0]  # every bucket only reduce-scattered
 
         def step_and_gather() -> None:

@@ -67,6 +67,24 @@ SECTIONS = (
         "torch's flattened copy is the model's size, dcomm's staging at most one bucket.",
     ),
     Section(
+        "bench-1gpu-h200-averaging.json",
+        "Parameter averaging, the current path, one GPU",
+        "The current `average_parameters` (one plain in-place path: large parameters reduced in their "
+        "own storage, the others staged through at most `bucket_cap_mb`) at world size 1, five calls "
+        "per round. With one rank NCCL moves no bytes (`raw allreduce` is about 0.02 ms a call), so "
+        "the `dcomm/reference` ratios here are the host time of a call, not a communication cost; "
+        "`dcomm/torch` is meaningful: torch's `average_parameters` copies the whole model twice.",
+    ),
+    Section(
+        "bench-1gpu-h200-ddp.json",
+        "DDP hooks: C++ against Python, one GPU",
+        "DDP training steps (SGD, TF32) at world size 1 with each hook against DDP's built-in "
+        "allreduce (`dcomm/reference`) and torch's hook of the same name (`dcomm/torch`). "
+        "`C++ vs python`: the same dcomm hook registered with `dcomm.ddp.register_comm_hook(..., "
+        "native=True)` against `native=False`; `python`: dcomm's Python hook against torch's. With one "
+        "rank no bytes move, so this measures what each path adds to the step.",
+    ),
+    Section(
         "bench-4gpu-h200-slow-link-llama.json",
         "Compression hooks on a slow link",
         "A Llama-shaped model (86 tensors, tied head) with bf16 autocast over an emulated slow link: "

@@ -38,7 +38,6 @@ EXPECTED_ROWS = {
         "compression/int8 vs bf16",
         "compression/fp8 vs bf16",
         "compression/int8 vs torch uint8",
-        "compression/int8 graphs",
         "compression/floor",
         "compression/powersgd",
     },

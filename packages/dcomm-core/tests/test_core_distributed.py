@@ -174,18 +174,6 @@ def test_host_identity_names_this_host(monkeypatch: pytest.MonkeyPatch) -> None:
     assert host_identity() == "rack3-node7"
 
 
-def test_local_world_size_rejects_garbage(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dcomm.core import local_world_size
-
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
-    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE: expected a positive integer, got 'two'"):
-        local_world_size()
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    assert local_world_size() == 3
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert local_world_size() == max(torch.cuda.device_count(), 1)
-
-
 def _hang_on_rank_one(rank: int, world: int) -> None:
     if rank == 1:
         raise RuntimeError("boom on rank 1")

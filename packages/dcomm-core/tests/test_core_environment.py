@@ -1,4 +1,4 @@
-"""dcomm.core.environment: the switches' one rule and the one-variable override."""
+"""dcomm.core.environment: the one-variable override."""
 
 from __future__ import annotations
 
@@ -6,18 +6,9 @@ import os
 
 import pytest
 
-from dcomm.core.environment import switched_on, variable_set
+from dcomm.core.environment import variable_set
 
 NAME = "DCOMM_TEST_ENVIRONMENT_VARIABLE"
-
-
-@pytest.mark.parametrize(
-    ("value", "on"),
-    [("0", False), (" Off ", False), ("no", False), ("FALSE", False), ("1", True), ("yes", True), ("", True)],
-)
-def test_switched_on_reads_the_off_words(value: str, on: bool) -> None:
-    with variable_set(NAME, value):
-        assert switched_on(NAME, default=not on) is on
 
 
 def test_variable_set_restores_a_previous_value_and_touches_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,11 +1,11 @@
-"""dcomm.core logging: rank 0 only by default, every rank when asked, fallback warnings once."""
+"""dcomm.core logging: rank 0 only, fallback warnings once."""
 
 import logging
 import warnings
 
 import pytest
 
-from dcomm.core import get_logger, log_all_ranks, warn_once
+from dcomm.core import get_logger, warn_once
 from dcomm_testing import run_ranks
 
 
@@ -26,7 +26,6 @@ def _logs(rank: int, world: int) -> tuple[list[str], int]:
     handler = Collect()
     logger.addHandler(handler)
     logger.info("starts after %d iterations", 10)
-    log_all_ranks(logger, logging.INFO, "my group: %s", [rank])
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         first = warn_once(("fallback", "float32"), "slow path")
@@ -39,11 +38,11 @@ def _logs(rank: int, world: int) -> tuple[list[str], int]:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 3])
-def test_rank_zero_by_default_every_rank_when_asked(world: int) -> None:
+def test_rank_zero_only(world: int) -> None:
     results = run_ranks(_logs, world, timeout=200)
-    assert results[0] == (["starts after 10 iterations", "[rank 0] my group: [0]"], 2)
+    assert results[0] == (["starts after 10 iterations"], 2)
     for rank in range(1, world):
-        assert results[rank] == ([f"[rank {rank}] my group: [{rank}]"], 0)
+        assert results[rank] == ([], 0)
 
 
 def test_without_a_process_group_every_message_passes() -> None:

@@ -21,7 +21,6 @@ PUBLIC_MODULES = (
     "dcomm.core.environment",
     "dcomm.core.quantization",
     "dcomm.core.quantized_average",
-    "dcomm.core.captured_average",
     "dcomm.core.native_build",
     "dcomm.core.torch_private",
 )

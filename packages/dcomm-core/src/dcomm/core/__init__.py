@@ -25,8 +25,8 @@ from dcomm.core.collectives import (
     start_reduce_scatter,
 )
 from dcomm.core.divide_factors import divide_factors
-from dcomm.core.groups import host_identity, intra_node_subgroups, local_world_size, node_layout, subgroups_of_size
-from dcomm.core.log import get_logger, log_all_ranks, warn_once
+from dcomm.core.groups import host_identity, intra_node_subgroups, node_layout, subgroups_of_size
+from dcomm.core.log import get_logger, warn_once
 from dcomm.core.low_precision import (
     LOW_PRECISION_DTYPES,
     cast_for_communication,
@@ -70,10 +70,8 @@ __all__ = [
     "host_identity",
     "intra_node_subgroups",
     "keep_until_stream_done",
-    "local_world_size",
     "member_size",
     "node_layout",
-    "log_all_ranks",
     "payload_bytes",
     "plan_average",
     "quantize",

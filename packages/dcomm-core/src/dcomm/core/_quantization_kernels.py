@@ -18,11 +18,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import Any
 
 import torch
-
-from dcomm.core._triton import launch_device, triton_enabled
 
 __all__ = ["average_rows_into", "dequantize_rows_into", "quantize_rows_into", "quantize_with_error_into", "usable"]
 
@@ -163,7 +163,14 @@ def usable(tensor: torch.Tensor, fmt: str, block_size: int) -> bool:
     """
     power_of_two = block_size >= 4 and block_size & (block_size - 1) == 0
     usable_here = tensor.is_cuda and fmt in _FORMATS and tensor.dtype in _FLOATS and power_of_two
-    return usable_here and triton is not None and triton_enabled()
+    return usable_here and triton is not None
+
+
+def _launch_device(tensor: torch.Tensor) -> Any:
+    """A context in which a Triton launch runs on ``tensor``'s GPU (Triton uses the current device)."""
+    if tensor.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(tensor.device)
 
 
 @functools.cache
@@ -182,7 +189,7 @@ def quantize_rows_into(rows: torch.Tensor, fmt: str, block_size: int, out: torch
     rows = rows.contiguous()
     n_blocks = n * (cols // block_size)
     row_bytes = out.stride(0)
-    with launch_device(out):
+    with _launch_device(out):
         _quantize[_grid(n_blocks)](
             rows, out, out.view(torch.float32), n_blocks, cols // block_size, cols, row_bytes, row_bytes // 4,
             LIMIT=limit, INV_LIMIT=1.0 / limit, BLOCK=block_size, GROUP=_GROUP, FP8=fmt == "fp8",
@@ -204,7 +211,7 @@ def quantize_with_error_into(
     """
     n_blocks = out.shape[0]
     row_bytes = out.stride(0)
-    with launch_device(out):
+    with _launch_device(out):
         _quantize_with_error[_grid(n_blocks)](
             values, error, out, out.view(torch.float32), values.numel(), n_blocks, row_bytes, row_bytes // 4,
             LIMIT=limit, INV_LIMIT=1.0 / limit, BLOCK=block_size, GROUP=_GROUP, FP8=fmt == "fp8",
@@ -232,7 +239,7 @@ def average_rows_into(
     """
     n_rows = out.shape[0]
     row_bytes = out.stride(0)
-    with launch_device(out):
+    with _launch_device(out):
         _average_rows[_grid(n_rows)](
             received, received.view(torch.float32), out if error is None else error, out, out.view(torch.float32),
             n_rows, world, row_bytes, row_bytes // 4,
@@ -246,7 +253,7 @@ def dequantize_rows_into(packed: torch.Tensor, fmt: str, cols: int, block_size: 
     n = packed.shape[0]
     n_blocks = n * (cols // block_size)
     row_bytes = packed.stride(0)
-    with launch_device(out):
+    with _launch_device(out):
         _dequantize[_grid(n_blocks)](
             packed, packed.view(torch.float32), out, n_blocks, cols // block_size, cols, row_bytes, row_bytes // 4,
             BLOCK=block_size, GROUP=_GROUP, FP8=fmt == "fp8",

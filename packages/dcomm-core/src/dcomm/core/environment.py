@@ -1,18 +1,13 @@
-"""On/off switches read from the environment, one rule for every dcomm switch.
+"""One environment variable set for the length of a block, nothing else touched.
 
-A launcher sets a switch alike on every rank (every rank must take the same path); it is read at
-each use, so a test or a ``with`` block may change it.
+dcomm has no on/off environment switches: a path is chosen by an explicit argument or call.
 
 Example::
 
     >>> import os
-    >>> os.environ["DCOMM_EXAMPLE"] = "off"
-    >>> switched_on("DCOMM_EXAMPLE"), switched_on("DCOMM_UNSET"), switched_on("DCOMM_UNSET", default=False)
-    (False, True, False)
-    >>> del os.environ["DCOMM_EXAMPLE"]
     >>> with variable_set("DCOMM_EXAMPLE", "1"):
-    ...     switched_on("DCOMM_EXAMPLE", default=False)
-    True
+    ...     os.environ["DCOMM_EXAMPLE"]
+    '1'
     >>> "DCOMM_EXAMPLE" in os.environ
     False
 """
@@ -23,28 +18,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-__all__ = ["switched_on", "variable_set"]
-
-_OFF = ("0", "false", "no", "off")
-
-
-def switched_on(name: str, default: bool = True) -> bool:
-    """Whether the variable ``name`` is anything but ``0``/``false``/``no``/``off`` (any case, spaces).
-
-    Args:
-        name: the environment variable.
-        default: the answer when it is unset.
-
-    Returns:
-        True when the switch is on.
-
-    Example::
-
-        >>> switched_on("DCOMM_UNSET_EXAMPLE", default=False)
-        False
-    """
-    value = os.environ.get(name)
-    return default if value is None else value.strip().lower() not in _OFF
+__all__ = ["variable_set"]
 
 
 @contextlib.contextmanager
@@ -61,8 +35,8 @@ def variable_set(name: str, value: str) -> Iterator[None]:
     Example::
 
         >>> with variable_set("DCOMM_EXAMPLE", "0"):
-        ...     switched_on("DCOMM_EXAMPLE")
-        False
+        ...     os.environ["DCOMM_EXAMPLE"]
+        '0'
     """
     saved = os.environ.get(name)
     os.environ[name] = value

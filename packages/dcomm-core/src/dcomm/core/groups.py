@@ -18,39 +18,12 @@ import os
 import socket
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from dcomm.core.collectives import resolve_group
 from dcomm.core.validation import positive_int
 
-__all__ = ["host_identity", "intra_node_subgroups", "local_world_size", "node_layout", "subgroups_of_size"]
-
-
-def local_world_size() -> int:
-    """Ranks per node: ``LOCAL_WORLD_SIZE``, else the visible GPU count, else 1.
-
-    Example::
-
-        >>> os.environ["LOCAL_WORLD_SIZE"] = "4"
-        >>> local_world_size()
-        4
-    """
-    raw = os.environ.get("LOCAL_WORLD_SIZE")
-    if raw is not None:
-        try:
-            value = int(raw)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise ValueError(
-                f"LOCAL_WORLD_SIZE: expected a positive integer, got {raw!r}; "
-                "unset it or set it to the number of ranks per node (torchrun does this)"
-            )
-        return value
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return torch.cuda.device_count()
-    return 1
+__all__ = ["host_identity", "intra_node_subgroups", "node_layout", "subgroups_of_size"]
 
 
 def subgroups_of_size(

@@ -1,18 +1,15 @@
-"""dcomm's logging: rank 0 speaks for the job, other ranks only when asked; fallbacks warn once.
+"""dcomm's logging: rank 0 speaks for the job; fallbacks warn once.
 
 Every rank of a job runs the same code, so a library log line would otherwise appear once per
 rank. A logger from :func:`get_logger` passes records only on rank 0 (or when no process group
-exists); :func:`log_all_ranks` is for the messages that differ between ranks, prefixed with the
-rank. :func:`warn_once` is for an algorithm that falls back to a slower path: one warning per
+exists). :func:`warn_once` is for an algorithm that falls back to a slower path: one warning per
 process and reason, on rank 0, while the algorithm counts every fallback in a public counter.
 
 Example::
 
-    >>> import logging
-    >>> from dcomm.core import get_logger, log_all_ranks
+    >>> from dcomm.core import get_logger
     >>> logger = get_logger("dcomm.example")
     >>> logger.info("local SGD starts after %d iterations", 100)  # rank 0 only
-    >>> log_all_ranks(logger, logging.INFO, "my node group: %s", [0, 1])  # "[rank 0] my node group: ..."
 """
 
 from __future__ import annotations
@@ -23,9 +20,8 @@ from collections.abc import Hashable
 
 import torch.distributed as dist
 
-__all__ = ["get_logger", "log_all_ranks", "warn_once"]
+__all__ = ["get_logger", "warn_once"]
 
-_ALL_RANKS = "dcomm_all_ranks"  # LogRecord attribute that lets a record through on every rank
 _warned: set[Hashable] = set()
 
 
@@ -34,10 +30,10 @@ def _rank() -> int:
 
 
 class _RankZeroFilter(logging.Filter):
-    """Passes rank 0's records, and every rank's records made by :func:`log_all_ranks`."""
+    """Passes rank 0's records (every rank's before the process group exists)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return bool(getattr(record, _ALL_RANKS, False)) or _rank() == 0
+        return _rank() == 0
 
 
 def get_logger(name: str) -> logging.Logger:
@@ -49,7 +45,7 @@ def get_logger(name: str) -> logging.Logger:
         name: the logger's name (the module's ``__name__``).
 
     Returns:
-        The logger, with a filter that passes rank 0's records (and :func:`log_all_ranks`').
+        The logger, with a filter that passes rank 0's records.
 
     Example::
 
@@ -60,22 +56,6 @@ def get_logger(name: str) -> logging.Logger:
     if not any(isinstance(f, _RankZeroFilter) for f in logger.filters):
         logger.addFilter(_RankZeroFilter())
     return logger
-
-
-def log_all_ranks(logger: logging.Logger, level: int, msg: str, *args: object) -> None:
-    """Log ``msg % args`` on every rank, prefixed with ``[rank N]`` (for per-rank facts).
-
-    Args:
-        logger: a logger from :func:`get_logger`.
-        level: the ``logging`` level.
-        msg: the message, ``%``-formatted with ``args``.
-        args: the values of ``msg``'s placeholders.
-
-    Example::
-
-        >>> log_all_ranks(get_logger(__name__), logging.INFO, "intra-node group %s", [0, 1])  # doctest: +SKIP
-    """
-    logger.log(level, "[rank %d] " + msg, _rank(), *args, extra={_ALL_RANKS: True}, stacklevel=2)
 
 
 def warn_once(key: Hashable, message: str, category: type[Warning] = UserWarning) -> bool:

@@ -6,15 +6,12 @@ import the built file directly, without a compiler or ninja. :func:`load` checks
 needs first (a C++ compiler, Python's headers, a writable cache, ninja) and raises
 :class:`NativeBuildError` naming the missing piece and its fix. Processes that build at once
 (the ranks of a job on one host) take turns through :class:`BuildLock`, a lock file holding its
-owner's pid and host, removed only when that owner is dead. :class:`BackgroundBuild` builds in a
-thread, for code that has a Python path meanwhile.
+owner's pid and host, removed only when that owner is dead.
 
 Example::
 
     >>> module = load(Path("csrc/average_hook.cpp"), "dcomm_ddp_native", "the C++ DDP hooks")  # doctest: +SKIP
-    >>> build = BackgroundBuild(Path("csrc/call_key.cpp"), "dcomm_averaging_native", "the C++ call key")
-    >>> build.module() is None  # not started  # doctest: +SKIP
-    True
+    >>> built_file("dcomm_ddp_native", Path("csrc/average_hook.cpp")).exists()  # built already?  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -28,13 +25,10 @@ import os
 import shutil
 import sys
 import sysconfig
-import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import torch
 
@@ -42,7 +36,7 @@ from dcomm.core.environment import variable_set
 from dcomm.core.groups import host_identity
 from dcomm.core.log import warn_once
 
-__all__ = ["BackgroundBuild", "BuildLock", "NativeBuildError", "build_name", "build_root", "built_file", "load"]
+__all__ = ["BuildLock", "NativeBuildError", "build_name", "build_root", "built_file", "load"]
 
 logger = logging.getLogger(__name__)
 
@@ -240,53 +234,6 @@ class BuildLock:
         with os.fdopen(fd, "w") as f:
             f.write(f"{os.getpid()} {host_identity()}")
         return True
-
-
-class BackgroundBuild:
-    """:func:`load` in a daemon thread, started by :meth:`start`; :meth:`module` once it is done.
-
-    A build that fails warns once (naming ``what`` and why) and leaves :meth:`module` None for good.
-
-    Example::
-
-        >>> build = BackgroundBuild(Path("call_key.cpp"), "dcomm_example", "the example")  # doctest: +SKIP
-        >>> build.start(); build.wait(); build.module()  # doctest: +SKIP
-        <module 'dcomm_example_...'>
-    """
-
-    def __init__(self, source: Path, prefix: str, what: str) -> None:
-        self.source, self.prefix, self.what = source, prefix, what
-        self._thread: threading.Thread | None = None
-        self._module: Any = None
-        self._lock = threading.Lock()
-
-    def start(self) -> None:
-        """Start the build (once; later calls do nothing)."""
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._build, name=f"build {self.prefix}", daemon=True)
-                self._thread.start()
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        """Block until the build is done (or ``timeout_s`` passed); starts it if needed."""
-        self.start()
-        assert self._thread is not None
-        self._thread.join(timeout_s)
-
-    def module(self) -> Any:
-        """The built module, or None while it builds, before :meth:`start`, or after a failed build."""
-        return self._module
-
-    def _build(self) -> None:
-        try:
-            self._module = load(self.source, self.prefix, self.what)
-        except Exception as error:  # any build or load failure leaves the caller's Python path
-            warnings.warn(
-                f"dcomm: {self.what} could not be built ({type(error).__name__}: {error}); the Python "
-                "path runs instead (same results, more host time). Install a C++ compiler and ninja",
-                RuntimeWarning,
-                stacklevel=1,
-            )
 
 
 def _import_built(name: str, directory: Path) -> ModuleType | None:

@@ -9,10 +9,8 @@ float32 scale per 256 values):
 3. an all-gather returns every rank's averaged chunk, dequantized into the bucket.
 
 Step 1 runs in the hook on the backward pass's stream; on GPUs steps 2 and 3 run on a side
-stream, so the backward pass never waits for the network (only DDP's final wait does). On NCCL,
-once DDP has settled its buckets, each bucket's three steps are one CUDA graph replayed on the
-side stream (:mod:`dcomm.core.captured_average`): a few dozen launches and their Python become
-one, and DDP's last bucket waits for them all.
+stream, so the backward pass never waits for the network (only DDP's final wait does). Every
+bucket's kernels and collectives run eagerly, in the order DDP hands the buckets over.
 
 Each rank sends ``2 (world - 1)`` quantized chunks, about ``(1 + 4 / block_size) / 4`` of an
 fp32 ring allreduce, whatever the world size (torch's uint8 hooks all-gather whole buckets, so
@@ -47,8 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcomm.core import QuantizedAverage, completed_future, quantized_average_bytes, reduced_by_nccl, resolve_group
-from dcomm.core.captured_average import CapturedAverages, StreamWork
+from dcomm.core import QuantizedAverage, completed_future, quantized_average_bytes, resolve_group
 from dcomm.core.validation import boolean, even_int, non_negative_int
 from dcomm.ddp._hook_state import ResumableHookState
 from dcomm.ddp._ordered_chain import drains_here
@@ -80,9 +77,6 @@ class QuantizedState(ResumableHookState):
         process_group: the group gradients are averaged over (WORLD when None).
         error_feedback: keep what quantization rounded off and add it back at the next step.
         block_size: values per quantization block, each with its own float32 scale (even).
-        cuda_graphs: on NCCL, replay each settled bucket's average as one CUDA graph (keyword-only;
-            the results are the same bit for bit). Pass False to profile or debug the kernels
-            one by one, or where another tool captures the backward pass itself.
 
     ``bytes_sent`` counts the bytes this rank has sent (host-side arithmetic, no sync).
     ``state_dict()`` / ``load_state_dict()`` save and restore the error memory and the counter, so
@@ -97,7 +91,6 @@ class QuantizedState(ResumableHookState):
     __slots__ = (
         "_averagers",
         "_bytes",
-        "_graphs",
         "_pattern",
         "block_size",
         "error_feedback",
@@ -112,13 +105,10 @@ class QuantizedState(ResumableHookState):
         process_group: dist.ProcessGroup | None = None,
         error_feedback: bool = True,
         block_size: int = 256,
-        *,
-        cuda_graphs: bool = True,
     ) -> None:
         super().__init__(process_group)
         self.error_feedback = boolean("error_feedback", error_feedback, "pass False to drop the rounding errors")
         self.block_size = even_int("block_size", block_size, 2, "the default is 256")
-        graphs = boolean("cuda_graphs", cuda_graphs, "pass False to run each bucket's kernels one by one")
         self._bytes = 0
         # Per bucket index: the local rounding error (the padded bucket, in error_dict) and the
         # owner's error of its re-quantized average chunk.
@@ -127,14 +117,6 @@ class QuantizedState(ResumableHookState):
         # rank must use the same. Internal: for measuring, not an API.
         self._pattern = "two_shot"
         self._averagers: dict[tuple[str, str], QuantizedAverage] = {}
-        # CUDA + NCCL: each settled bucket's average as one CUDA graph (dcomm.core.captured_average).
-        self._graphs = CapturedAverages("quantized hook")
-        self._graphs.enabled = graphs
-
-    @property
-    def cuda_graphs(self) -> bool:
-        """Whether settled buckets are averaged by CUDA graph replays on NCCL (False after a failed capture)."""
-        return self._graphs.enabled
 
     @property
     def bytes_sent(self) -> int:
@@ -148,11 +130,12 @@ class QuantizedState(ResumableHookState):
     def __repr__(self) -> str:
         return (
             f"QuantizedState(error_feedback={self.error_feedback}, block_size={self.block_size}, "
-            f"cuda_graphs={self.cuda_graphs}, bytes_sent={self.bytes_sent})"
+            f"bytes_sent={self.bytes_sent})"
         )
 
     def _progress(self) -> dict[str, Any]:
-        # A checkpoint of dcomm-ddp 0.1 also holds "wire" and "passes" (of the removed bf16_if_faster): ignored.
+        # Older checkpoints may hold "wire" and "passes" (dcomm-ddp 0.1's removed bf16_if_faster)
+        # or "cuda_graphs" (the removed graph replay): load_state_dict ignores keys it does not restore.
         return {"bytes_sent": self.bytes_sent}
 
     def _progress_checks(self, fix: str) -> dict[str, Callable[[str, Any], Any]]:
@@ -160,7 +143,6 @@ class QuantizedState(ResumableHookState):
 
     def _restore(self, progress: dict[str, Any]) -> None:
         self._bytes = progress["bytes_sent"]
-        self._graphs.clear()  # they write the memories just replaced
 
     def _averager(self, fmt: str) -> QuantizedAverage:
         """The collective for ``fmt``; it keeps each bucket's send and receive buffers between steps."""
@@ -222,50 +204,15 @@ def _quantized_average(fmt: str, state: QuantizedState, bucket: dist.GradBucket)
     buffer = bucket.buffer()
     index, numel = bucket.index(), buffer.numel()
     averager = state._averager(fmt)
-    key = (fmt, index, numel, buffer.data_ptr())
-    if in_order and buffer.is_cuda:
-        # Bucket 0, the first of every backward pass, is the one the NCCL watchdog sees now and then.
-        stream = averager._side_stream(buffer.device)
-        work = state._graphs.replay(key, stream, watched=index == 0)
-        if work is not None:
-            return _replayed(state, work, stream, buffer)
     error = shard_error = None
     if state.error_feedback and in_order:
         error = state._memory("error_dict", index, averager.padded_numel(numel, world), buffer.device)
         if averager.shard_numel(numel, world):
             shard_error = state._memory("shard_error_dict", index, averager.shard_numel(numel, world), buffer.device)
-    # NCCL only: gloo runs the later steps on its own threads, which a graph cannot hold.
-    if in_order and reduced_by_nccl(resolved, buffer) and state._graphs.due(key):
-
-        def average() -> int:
-            captured = averager.begin(buffer, group, error=error, shard_error=shard_error, key=index)
-            captured.launch()
-            captured.result()
-            return captured.bytes_sent
-
-        stream = averager._side_stream(buffer.device)
-        work = state._graphs.capture(key, average, stream)
-        if work is not None:
-            return _replayed(state, work, stream, buffer)
     # Encoding runs here, on the hook's stream; the rest on the averager's side stream.
     pending = averager.begin(buffer, group, error=error, shard_error=shard_error, key=index if in_order else None)
     state._bytes += pending.bytes_sent
     return state._chain.run(pending.launch, lambda _: pending.result(), drain=drains_here(bucket, resolved))
-
-
-def _replayed(
-    state: QuantizedState, work: StreamWork, stream: Any, buffer: torch.Tensor
-) -> torch.futures.Future[torch.Tensor]:
-    """A future of ``buffer``, averaged by a graph replayed on ``stream``.
-
-    A CUDA future, completed on ``stream`` after the replay: whoever waits for it (DDP, or a
-    Python caller) has its current stream ordered after the average, as with NCCL's own futures.
-    """
-    state._bytes += work.bytes_sent
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[buffer.device])
-    with torch.cuda.stream(stream):
-        fut.set_result(buffer)
-    return fut
 
 
 def int8_compress_hook(state: QuantizedState | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from dcomm.core import foreach_copy_, foreach_div_, foreach_sub_, storage_at, views_like
+from dcomm.core import foreach_copy_, foreach_div_, foreach_sub_, views_like
 from dcomm.core.torch_private import PRIVATE_MEMBERS, PrivateMember, TorchChanged, missing_members, private_member
 
 
@@ -33,17 +33,6 @@ def test_foreach_div_and_copy_match_one_tensor_at_a_time(dtype: torch.dtype) -> 
     expected = [t - o for t, o in zip(targets, others, strict=True)]
     foreach_sub_(targets, others)
     assert all(torch.equal(t, e) for t, e in zip(targets, expected, strict=True))
-
-
-def test_storage_at_shares_memory_and_owns_none() -> None:
-    owner = torch.arange(8, dtype=torch.float32)
-    span = torch.empty(0).set_(storage_at(owner[2:].data_ptr(), owner.device, 4 * 4), 0, (4,), (1,))
-    assert span.tolist() == [2.0, 3.0, 4.0, 5.0]
-    span.mul_(10)  # writes land in the owner's memory
-    assert owner.tolist() == [0.0, 1.0, 20.0, 30.0, 40.0, 50.0, 6.0, 7.0]
-    assert span.untyped_storage().nbytes() == 16
-    # A storage of its own over the owner's bytes: it holds no reference to the owner's storage.
-    assert span.untyped_storage()._cdata != owner.untyped_storage()._cdata
 
 
 def test_foreach_copy_and_sub_convert_dtypes_as_one_tensor_at_a_time() -> None:

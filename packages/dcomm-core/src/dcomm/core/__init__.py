@@ -42,7 +42,7 @@ from dcomm.core.quantization import (
 )
 from dcomm.core.quantized_average import QuantizedAverage, quantized_average_bytes
 from dcomm.core.state import DefaultState, LowPrecisionState
-from dcomm.core.torch_private import foreach_copy_, foreach_div_, foreach_sub_, storage_at, views_like
+from dcomm.core.torch_private import foreach_copy_, foreach_div_, foreach_sub_, views_like
 
 __all__ = [
     "allreduce_options",
@@ -83,7 +83,6 @@ __all__ = [
     "start_all_gather",
     "start_allreduce",
     "start_reduce_scatter",
-    "storage_at",
     "subgroups_of_size",
     "views_like",
     "warn_once",

@@ -40,7 +40,6 @@ __all__ = [
     "missing_members",
     "private_member",
     "reduce_scatter_base",
-    "storage_at",
     "supported_torch",
     "views_like",
 ]
@@ -117,9 +116,6 @@ _FOREACH_SUB = PrivateMember(lambda: torch, "_foreach_sub_", "the in-place subtr
 _UNFLATTEN = PrivateMember(
     lambda: torch._C._nn, "unflatten_dense_tensors", "the views of a flat buffer shaped like many tensors"
 )
-_STORAGE_AT = PrivateMember(
-    lambda: torch._C, "_construct_storage_from_data_pointer", "a storage over device memory that owns nothing"
-)
 _ALLGATHER_OPTIONS = PrivateMember(
     lambda: torch._C._distributed_c10d, "AllgatherOptions", "the options of a process group's flat all-gather"
 )
@@ -135,7 +131,6 @@ PRIVATE_MEMBERS = [
     _FOREACH_COPY,
     _FOREACH_SUB,
     _UNFLATTEN,
-    _STORAGE_AT,
     _ALLGATHER_OPTIONS,
     _REDUCE_SCATTER_BASE,
     _ALLGATHER_BASE,
@@ -206,20 +201,6 @@ def views_like(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Te
         ([(2, 2), (1,)], tensor([4.]))
     """
     return list(_read(_UNFLATTEN)(flat, tensors))
-
-
-def storage_at(address: int, device: torch.device, nbytes: int) -> torch.UntypedStorage:
-    """A storage over the ``nbytes`` bytes at ``address`` on ``device`` that owns nothing (no deleter).
-
-    It neither frees the memory nor keeps it alive: use it only while the memory's owner lives.
-
-    Example::
-
-        >>> owner = torch.arange(4.0)
-        >>> torch.empty(0).set_(storage_at(owner.data_ptr(), owner.device, 8), 0, (2,), (1,))
-        tensor([0., 1.])
-    """
-    return _read(_STORAGE_AT)(address, device, nbytes)
 
 
 def allgather_options() -> Any:

@@ -353,3 +353,101 @@ def test_a_restarted_replica_heals_and_takes_part(tmp_path: Path) -> None:
         except AssertionError as error:
             failures.append(str(error))
     raise AssertionError("\n".join(failures))
+
+
+# -- PeriodicModelAverager(manager=...): local SGD -----------------------------------------------
+
+PERIOD, WARMUP, AVERAGER_STEPS = 2, 1, 10
+
+
+def _local_sgd(model: torch.nn.Module, averager: Any, replica: int, step: int) -> None:
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05)  # stateless: a new one per step is the same
+    backward(model, replica, step)
+    sgd.step()
+    averager.average_parameters(model.parameters())
+    sgd.zero_grad()
+
+
+def _averager_replica(replica: int, lighthouse: str, folder: str, cfg: dict[str, Any], barrier: Any) -> None:
+    from dcomm.averaging import PeriodicModelAverager
+
+    torch.set_num_threads(1)
+    manager = make_manager(replica, lighthouse)
+    if cfg.get("die_after_quorum"):
+        _die_after_quorum(manager, cfg["die_after_quorum"])
+    if barrier is not None:
+        barrier.wait(timeout=JOIN_TIMEOUT)
+    model = make_model(0, cfg["dtype"])
+    averager = PeriodicModelAverager(PERIOD, WARMUP, manager=manager)
+    history: dict[int, Any] = {}
+    while averager.step < AVERAGER_STEPS:
+        step = averager.step + 1  # the data of this call
+        _local_sgd(model, averager, replica, step)
+        history[averager.step] = [p.detach().clone() for p in model.parameters()]
+    manager.shutdown(wait=False)
+    torch.save(history, Path(folder) / f"replica{replica}.pt")
+
+
+def _averager_process_group(rank: int, world: int) -> dict[int, list[list[float]]]:
+    from dcomm.averaging import PeriodicModelAverager
+
+    model = make_model(0, torch.float32)
+    averager = PeriodicModelAverager(PERIOD, WARMUP)
+    history = {}
+    while averager.step < AVERAGER_STEPS:
+        _local_sgd(model, averager, rank, averager.step + 1)
+        history[averager.step] = [p.detach().tolist() for p in model.parameters()]
+    return history
+
+
+def _averager_reference(leaves_at: int) -> dict[int, dict[int, list[torch.Tensor]]]:
+    """fp64 local SGD of replicas 0-2; replica 2 leaves at the call with step ``leaves_at``."""
+    models = {r: make_model(0, torch.float64) for r in range(3)}
+    history: dict[int, dict[int, list[torch.Tensor]]] = {r: {} for r in range(3)}
+    for call in range(AVERAGER_STEPS):
+        if call == leaves_at:
+            models.pop(2)
+        for r, model in models.items():
+            sgd = torch.optim.SGD(model.parameters(), lr=0.05)
+            backward(model, r, call + 1)
+            sgd.step()
+            sgd.zero_grad()
+        if call >= WARMUP and (call - WARMUP) % PERIOD == 0:
+            with torch.no_grad():
+                for params in zip(*(m.parameters() for m in models.values()), strict=True):
+                    mean = sum(p.detach() for p in params) / len(params)
+                    for p in params:
+                        p.copy_(mean)
+        for r, model in models.items():
+            history[r][call + 1] = [p.detach().clone() for p in model.parameters()]
+    return history
+
+
+@pytest.mark.timeout(300)
+def test_averager_with_manager_equals_process_group_path(tmp_path: Path) -> None:
+    ours = _run_replicas(_averager_replica, [{"dtype": torch.float32}] * 3, tmp_path)
+    theirs = run_ranks(_averager_process_group, 3, timeout=240)
+    for rank in range(3):
+        for step in range(1, AVERAGER_STEPS + 1):
+            for a, b in zip(ours[rank][step], theirs[rank][step], strict=True):
+                # The manager path sums, then divides; average_parameters divides, then sums.
+                torch.testing.assert_close(a, torch.tensor(b), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(300)
+def test_averager_survivors_average_without_the_dead_replica(tmp_path: Path) -> None:
+    cfg = {"dtype": torch.float64}
+    # Quorums: the first call (step 0), then the averaging calls at steps 1, 3, 5...: the third is step 3.
+    ours = _run_replicas(_averager_replica, [cfg, cfg, {**cfg, "die_after_quorum": 3}], tmp_path)
+    assert sorted(ours) == [0, 1]
+    reference = _averager_reference(leaves_at=3)
+    for replica in (0, 1):
+        for step in range(1, AVERAGER_STEPS + 1):
+            _assert_close(ours[replica][step], reference[replica][step], f"replica {replica}, step {step}")
+
+
+def test_averager_with_manager_and_process_group_is_a_value_error() -> None:
+    from dcomm.averaging import PeriodicModelAverager
+
+    with pytest.raises(ValueError, match="process_group: got both"):
+        PeriodicModelAverager(4, process_group=object(), manager=object())  # type: ignore[arg-type]

@@ -38,7 +38,13 @@ import torch.distributed as dist
 from dcomm.averaging._diloco.exchange import Feedback, PseudoGradientExchange
 from dcomm.core.quantized_average import chunk_numel
 
-__all__ = ["QuorumAverage", "QuorumExchange", "ReplicaQuorum", "require_torchft_manager"]
+__all__ = [
+    "QuorumAverage",
+    "QuorumExchange",
+    "QuorumParameterAveraging",
+    "ReplicaQuorum",
+    "require_torchft_manager",
+]
 
 INSTALL_HINT = "pip install 'dcomm-averaging[ft]'"
 FAILURES = (RuntimeError, OSError)
@@ -323,3 +329,64 @@ class QuorumExchange:
             if feedback.chunk.numel() != size:
                 feedback.chunk = torch.zeros(size, dtype=torch.float32, device=flat.device)
         return QuorumAverage(self, flat, feedback, contributes)
+
+
+class QuorumParameterAveraging:
+    """The averaging of ``PeriodicModelAverager(manager=...)``: local SGD over a torchft quorum.
+
+    At its first call, and at every call the averager's schedule makes an averaging one, the
+    replica joins a quorum; an averaging call sums the parameters over the replicas that contribute
+    and divides by their number, and copies the average into them only once the sync commits
+    (otherwise the parameters are untouched and the sync is retried with the next quorum). A
+    replica that heals takes a peer's step counter, sends zeros and takes the average. The
+    parameters travel as one flat copy (fp64 if one is fp64, else fp32): the price of a retry.
+
+    Example::
+
+        >>> averaging = QuorumParameterAveraging(manager, averager)  # doctest: +SKIP
+        >>> averaging.average(list(model.parameters()))  # doctest: +SKIP
+    """
+
+    def __init__(self, manager: Any, averager: Any) -> None:
+        self._averager = averager  # has .step and .averages_at(step)
+        self._averaging = False  # whether the quorum being joined averages (a healing peer learns it)
+        self._joined = False
+        self.quorum = ReplicaQuorum(manager, "PeriodicModelAverager", self._state, self._load)
+        self._exchange = QuorumExchange(self.quorum, None)
+
+    def _state(self) -> dict[str, Any]:
+        return {"step": self._averager.step, "averaging": self._averaging}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self._averager.step = state["step"]
+        self._averaging = state["averaging"]
+
+    def average(self, params: list[torch.Tensor]) -> None:
+        """Average ``params`` over the quorum if the averager's step is due (see the class docstring)."""
+        self._averaging = self._averager.averages_at(self._averager.step)
+        if self._joined and not self._averaging:
+            return
+        if params:
+            self.quorum.check_device(params[0].device)
+        self._joined = True
+        contributes = True
+        while True:
+            if self.quorum.join():
+                contributes = False
+            if not self._averaging or not params:
+                self.quorum.barrier()
+                if self.quorum.commit():
+                    return
+                continue
+            dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+            with torch.no_grad():
+                flat = torch.cat([p.detach().reshape(-1).to(dtype) for p in params])
+            average = self._exchange.start(flat, None, contributes).result()
+            if self.quorum.commit():
+                assert average is not None
+                with torch.no_grad():
+                    offset = 0
+                    for param in params:
+                        param.copy_(average[offset : offset + param.numel()].view_as(param))
+                        offset += param.numel()
+                return

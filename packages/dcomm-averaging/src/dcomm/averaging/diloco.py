@@ -129,6 +129,13 @@ class DiLoCoOptimizer(WrappingOptimizer):
       done, and the host never waits), elsewhere the second starts ``(tau + 1) // 2`` steps later.
     * ``offload_global=True`` keeps ``g`` and the outer optimizer's state in CPU (pinned) memory
       between syncs instead of on the parameters' device.
+    * ``manager`` (a ``torchft.Manager`` built with ``use_async_quorum=False``, instead of
+      ``process_group``; ``pip install 'dcomm-averaging[ft]'``): each sync averages over the
+      replicas of torchft's quorum and survives failures. A sync that fails (a replica died inside
+      it) is retried with the next quorum on the same pseudo-gradients, so no inner step is lost;
+      a replica that joins or restarts heals from a live peer (the whole state is registered with
+      the manager) and starts from ``g``. Without failures the result equals the
+      ``process_group`` path's bit for bit on gloo. See :mod:`dcomm.averaging.fault_tolerance`.
 
     Extra memory per parameter byte (fp32 parameters, outer SGD with momentum): ``g`` 1 and the
     momentum 1, on the device by default, on the CPU with ``offload_global``; error feedback

@@ -6,6 +6,7 @@ Usage (no GPU needed; ``hatch run demo`` runs the same)::
     python -m tools.demo --config large --backend nccl   # a larger model, one rank per GPU
     python -m tools.demo --only fp16 post-local   # the runs whose name contains a word
     python -m tools.demo --config diloco          # DDP vs DiLoCo at H = 50 over 1000 steps, about 3 minutes
+    python -m tools.demo --config ft              # DiLoCo on torchft, replicas killed: see tools.demo_ft
 
 The model is a small GPT (:mod:`tools.demo_lm.model`) learning the next byte of the running
 interpreter's own standard library sources (:mod:`tools.demo_lm.corpus`): real text on every
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import os
 import pathlib
 import platform
@@ -115,6 +117,11 @@ def diloco_settings(config: Config) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    given = sys.argv[1:] if argv is None else argv
+    if "--config=ft" in given or any(a == "--config" and b == "ft" for a, b in itertools.pairwise(given)):
+        from tools import demo_ft  # DiLoCo on torchft with killed replicas: its own runs and chart
+
+        return demo_ft.main(given)
     args = parse_args(argv)
     config = CONFIGS[args.config]
     config = dataclasses.replace(

@@ -26,30 +26,12 @@ from dcomm_testing import run_ranks
 
 pytest.importorskip("torchft")
 
-from dcomm_testing.torchft_replicas import make_manager, start_lighthouse
+from dcomm_testing.torchft_replicas import die_after_quorum, make_manager, start_lighthouse
 
 JOIN_TIMEOUT = 120
 
 
 # -- replicas ---------------------------------------------------------------------------------
-
-
-def _kill_self() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _die_after_quorum(manager: Any, quorum: int) -> None:
-    """SIGKILL this process right after its ``quorum``-th quorum (1: the first), before it sends anything."""
-    start_quorum = manager.start_quorum
-    calls = [0]
-
-    def start_then_maybe_die(*args: Any, **kwargs: Any) -> None:
-        start_quorum(*args, **kwargs)
-        calls[0] += 1
-        if calls[0] == quorum:
-            _kill_self()
-
-    manager.start_quorum = start_then_maybe_die
 
 
 def _die_at_commit(manager: Any, commit: int) -> None:
@@ -60,7 +42,7 @@ def _die_at_commit(manager: Any, commit: int) -> None:
     def maybe_die_then_commit(*args: Any, **kwargs: Any) -> bool:
         calls[0] += 1
         if calls[0] == commit:
-            _kill_self()
+            os.kill(os.getpid(), signal.SIGKILL)
         return should_commit(*args, **kwargs)
 
     manager.should_commit = maybe_die_then_commit
@@ -72,7 +54,7 @@ def _diloco_replica(replica: int, lighthouse: str, folder: str, cfg: dict[str, A
     if barrier is not None:  # every manager heartbeats: the first quorum waits for all of them
         barrier.wait(timeout=JOIN_TIMEOUT)
     if cfg.get("die_after_quorum"):
-        _die_after_quorum(manager, cfg["die_after_quorum"])
+        die_after_quorum(manager, cfg["die_after_quorum"])
     if cfg.get("die_at_commit"):
         _die_at_commit(manager, cfg["die_at_commit"])
     # With init_sync the replicas heal from the first at the first quorum: start them apart.
@@ -374,7 +356,7 @@ def _averager_replica(replica: int, lighthouse: str, folder: str, cfg: dict[str,
     torch.set_num_threads(1)
     manager = make_manager(replica, lighthouse)
     if cfg.get("die_after_quorum"):
-        _die_after_quorum(manager, cfg["die_after_quorum"])
+        die_after_quorum(manager, cfg["die_after_quorum"])
     if barrier is not None:
         barrier.wait(timeout=JOIN_TIMEOUT)
     model = make_model(0, cfg["dtype"])

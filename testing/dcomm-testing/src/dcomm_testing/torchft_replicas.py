@@ -12,12 +12,14 @@ Example::
 
 from __future__ import annotations
 
+import os
+import signal
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["make_manager", "start_lighthouse"]
+__all__ = ["die_after_quorum", "make_manager", "start_lighthouse"]
 
 HEARTBEAT_TIMEOUT_MS = 1000
 """A replica that has not sent a heartbeat for this long is dead to the lighthouse."""
@@ -83,3 +85,25 @@ def make_manager(
     )
     manager.dcomm_store = store  # the store must live as long as the manager
     return manager
+
+
+def die_after_quorum(manager: Any, quorum: int) -> None:
+    """SIGKILL this process right after ``manager``'s ``quorum``-th quorum (1: the first), before it sends.
+
+    The peers of that quorum then find it dead inside their sync: the point where torchft's own
+    DiLoCo throws its survivors' last ``sync_every`` inner steps away.
+
+    Example::
+
+        >>> die_after_quorum(manager, 3)  # dies inside the second sync of a DiLoCoOptimizer  # doctest: +SKIP
+    """
+    start_quorum = manager.start_quorum
+    calls = [0]
+
+    def start_then_maybe_die(*args: Any, **kwargs: Any) -> None:
+        start_quorum(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == quorum:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    manager.start_quorum = start_then_maybe_die

@@ -256,6 +256,6 @@ def diloco_case(ctx: Context) -> Case:
             pairs += impl_pairs(label, dcomm, torchft, "ddp adamw")
             if compression is None:  # fault tolerance's cost: dcomm on torchft's manager
                 variants["dcomm diloco ft"] = functools.partial(build_dcomm_ft, ctx)
-                pairs.append(Pair(label, "dcomm diloco ft", dcomm, "dcomm ft/dcomm"))
-                pairs.append(Pair(label, "dcomm diloco ft", torchft, "dcomm ft/torchft"))
+                pairs.append(Pair("diloco ft", "dcomm diloco ft", dcomm, "dcomm/reference"))
+                pairs.append(Pair("diloco ft", "dcomm diloco ft", torchft, "dcomm/torch"))
     return Case("diloco", variants, pairs, steps_per_round=SYNC_EVERY, warmup_steps=SYNC_EVERY, details=details)

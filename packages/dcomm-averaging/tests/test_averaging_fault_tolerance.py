@@ -48,6 +48,15 @@ def _die_at_commit(manager: Any, commit: int) -> None:
     manager.should_commit = maybe_die_then_commit
 
 
+def _wait_for(path: Path) -> None:
+    import time
+
+    deadline = time.monotonic() + JOIN_TIMEOUT
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
 def _diloco_replica(replica: int, lighthouse: str, folder: str, cfg: dict[str, Any], barrier: Any) -> None:
     torch.set_num_threads(1)
     manager = make_manager(replica, lighthouse, init_sync=cfg["init_sync"])
@@ -60,6 +69,8 @@ def _diloco_replica(replica: int, lighthouse: str, folder: str, cfg: dict[str, A
     # With init_sync the replicas heal from the first at the first quorum: start them apart.
     model = make_model(replica if cfg["init_sync"] else 0, cfg["dtype"])
     inner, outer = make_optimizers(model)
+    if cfg.get("restarted"):
+        (Path(folder) / "up").touch()
     opt = DiLoCoOptimizer(
         inner,
         outer,
@@ -72,6 +83,8 @@ def _diloco_replica(replica: int, lighthouse: str, folder: str, cfg: dict[str, A
     history: dict[int, Any] = {"joined_at": opt.inner_steps}
     while opt.inner_steps < cfg["steps"]:
         step = opt.inner_steps + 1
+        if step == cfg.get("wait_at_step"):  # until the restarted replica is about to join
+            _wait_for(Path(folder) / "up")
         opt.zero_grad()
         backward(model, replica, step)
         opt.step()
@@ -300,7 +313,7 @@ def test_survivors_lose_no_step_when_a_replica_dies(
 
 @pytest.mark.timeout(300)
 def test_a_restarted_replica_heals_and_takes_part(tmp_path: Path) -> None:
-    sync_every, steps = 3, 30
+    sync_every, steps = 3, 24
     cfg = {
         "sync_every": sync_every,
         "fragments": 1,
@@ -309,10 +322,12 @@ def test_a_restarted_replica_heals_and_takes_part(tmp_path: Path) -> None:
         "init_sync": False,
         "steps": steps,
         "dtype": torch.float64,
-        "step_sleep": 0.3,  # leaves the restarted replica time to arrive before the end
     }
+    survivor = {**cfg, "wait_at_step": 13}  # the restarted replica joins at sync 5 or later, before the end
     dying = {**cfg, "die_after_quorum": 3}
-    ours = _run_replicas(_diloco_replica, [cfg, cfg, dying], tmp_path, restart={2: cfg})
+    ours = _run_replicas(
+        _diloco_replica, [survivor, survivor, dying], tmp_path, restart={2: {**cfg, "restarted": True}}
+    )
     assert sorted(ours) == [0, 1, 2]
     joined_at = ours[2]["joined_at"]
     assert joined_at % sync_every == 0, joined_at
@@ -433,3 +448,68 @@ def test_averager_with_manager_and_process_group_is_a_value_error() -> None:
 
     with pytest.raises(ValueError, match="process_group: got both"):
         PeriodicModelAverager(4, process_group=object(), manager=object())  # type: ignore[arg-type]
+
+
+def _manager_here(**kwargs: Any) -> tuple[Any, Any]:
+    """A lighthouse and a one-replica torchft Manager in this process (``kwargs`` override)."""
+    from datetime import timedelta
+
+    from torchft import Manager, ProcessGroupGloo
+
+    lighthouse = start_lighthouse()
+    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    wait = timedelta(seconds=3)
+    settings = {
+        "pg": ProcessGroupGloo(timeout=wait),
+        "min_replica_size": 1,
+        "use_async_quorum": False,
+        "load_state_dict": None,
+        "state_dict": None,
+        "replica_id": "replica_0",
+        "store_addr": "localhost",
+        "store_port": store.port,
+        "rank": 0,
+        "world_size": 1,
+        "lighthouse_addr": lighthouse.address(),
+        "timeout": wait,
+        "quorum_timeout": wait,
+        "connect_timeout": wait,
+        **kwargs,
+    }
+    manager = Manager(**settings)
+    manager.dcomm_store = store
+    return manager, lighthouse
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("settings", "error", "message"),
+    [
+        ({"use_async_quorum": True}, ValueError, "use_async_quorum=False"),
+        ({"min_replica_size": 2}, TimeoutError, "min_replica_size=2"),
+    ],
+)
+def test_bad_manager_settings_are_clear_errors(settings: dict[str, Any], error: type, message: str) -> None:
+    manager, lighthouse = _manager_here(**settings)
+    try:
+        model = make_model(0, torch.float32)
+        with pytest.raises(error, match=message):
+            DiLoCoOptimizer(*make_optimizers(model), 4, manager=manager)
+    finally:
+        manager.shutdown(wait=False)
+        lighthouse.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.distributed.is_nccl_available(), reason="needs torch built with NCCL")
+def test_a_manager_on_nccl_for_a_cpu_model_is_a_value_error() -> None:
+    from torchft import ProcessGroupNCCL
+
+    manager, lighthouse = _manager_here(pg=ProcessGroupNCCL())
+    try:
+        model = make_model(0, torch.float32)
+        with pytest.raises(ValueError, match="torchft-nccl"):
+            DiLoCoOptimizer(*make_optimizers(model), 4, manager=manager)
+    finally:
+        manager.shutdown(wait=False)
+        lighthouse.shutdown()

@@ -54,12 +54,18 @@ def replica_main(replica: int, lighthouse: str, folder: str, steps: int, barrier
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32))
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    if barrier is None:  # restarted: about to join the others' next quorum
+        (Path(folder) / "up").touch()
     opt = DiLoCoOptimizer(inner, outer, SYNC_EVERY, manager=manager)
     log = (Path(folder) / f"replica{replica}.jsonl").open("a")
     log.write(json.dumps({"joined_at": opt.inner_steps, "pid": os.getpid(), "time": time.time()}) + "\n")
     log.flush()
     while opt.inner_steps < steps:
         step = opt.inner_steps + 1
+        if step == steps and (Path(folder) / "hold").exists():  # let a restarted replica join the last sync
+            while not (Path(folder) / "up").exists():
+                time.sleep(0.05)
+            time.sleep(2.0)  # it builds its optimizer and asks for a quorum
         generator = torch.Generator().manual_seed(1000 * replica + step)
         x = torch.randn(16, 32, generator=generator)
         loss = ((model(x) - x.roll(1, dims=1)) ** 2).mean()
@@ -90,8 +96,9 @@ def run(
 
     ``step_sleep`` paces the inner steps (a sync about every second) so that a restarted replica,
     whose start takes seconds, is back within a few syncs; the next kill waits until it is. No kill
-    happens in the last ``margin`` syncs (a replica restarted after the others finished would wait
-    for a quorum that never comes).
+    happens in the last ``margin`` syncs, and while a restarted replica is not back the others wait
+    before their last step until it is about to join (else it would wait for a quorum that never
+    comes).
     """
     rng = random.Random(seed)
     folder.mkdir(parents=True, exist_ok=True)
@@ -121,10 +128,14 @@ def run(
             budget_left = kills is None or len(events) < kills
             since = events[-1]["time"] if events else 0.0
             everyone_back = all(any("sync" in r and r["time"] > since for r in rs) for rs in records.values())
+            if everyone_back:
+                (folder / "hold").unlink(missing_ok=True)
+                (folder / "up").unlink(missing_ok=True)
             if budget_left and everyone_back and next_kill <= done <= syncs - margin:
                 procs[victim].kill()
                 procs[victim].join()
                 events.append({"replica": victim, "after_sync": done, "time": time.time()})
+                (folder / "hold").touch()
                 procs[victim] = start(victim, False)
                 victim = (victim + 1) % REPLICAS
                 next_kill = done + rng.randint(5, 10)

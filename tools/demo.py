@@ -7,6 +7,7 @@ Usage (no GPU needed; ``hatch run demo`` runs the same)::
     python -m tools.demo --only fp16 post-local   # the runs whose name contains a word
     python -m tools.demo --config diloco          # DDP vs DiLoCo at H = 50 over 1000 steps, about 3 minutes
     python -m tools.demo --check                  # exit 1 when a dcomm run ends above torch's (CI)
+    python -m tools.demo --config ft              # DiLoCo on torchft, replicas killed: see tools.demo_ft
 
 The model is a small GPT (:mod:`tools.demo_lm.model`) learning the next byte of the running
 interpreter's own standard library sources (:mod:`tools.demo_lm.corpus`): real text on every
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import math
 import os
 import pathlib
@@ -128,6 +130,11 @@ def exit_code(results: list[RunResult], tolerance: float, check: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    given = sys.argv[1:] if argv is None else argv
+    if "--config=ft" in given or any(a == "--config" and b == "ft" for a, b in itertools.pairwise(given)):
+        from tools import demo_ft  # DiLoCo on torchft with killed replicas: its own runs and chart
+
+        return demo_ft.main(given)
     args = parse_args(argv)
     # Demos other than the language model plug in here by configuration name.
     config = CONFIGS[args.config]

@@ -172,14 +172,9 @@ def _shut_down(manager: Any, lighthouse: Any, store: dist.TCPStore) -> None:
         lighthouse.shutdown()
 
 
-def build_torchft(ctx: Context, quantize: bool = False) -> Variant:
-    """torchft's ``DiLoCo``: this rank is a replica group of one, meeting the others at rank 0's lighthouse.
-
-    ``quantize``: its fp8 pseudo-gradients (``should_quantize``; CUDA with triton only), counted as
-    one byte per value (its scales are not counted).
-    """
+def _torchft_manager(ctx: Context) -> tuple[Any, Any, dist.TCPStore]:
+    """This rank's torchft ``Manager`` (a replica group of one), rank 0's lighthouse and the store."""
     from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
-    from torchft.local_sgd import DiLoCo
 
     lighthouse, address = _start_lighthouse(ctx)
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
@@ -199,6 +194,31 @@ def build_torchft(ctx: Context, quantize: bool = False) -> Variant:
         lighthouse_addr=address,
         **timeouts,
     )
+    return manager, lighthouse, store
+
+
+def build_dcomm_ft(ctx: Context) -> Variant:
+    """dcomm's ``DiLoCoOptimizer(manager=...)``: the torchft variant's managers, dcomm's syncs."""
+    from dcomm.averaging import DiLoCoOptimizer
+
+    manager, lighthouse, store = _torchft_manager(ctx)
+    model = ctx.model()
+    inner, outer = _optimizers(model)
+    opt = DiLoCoOptimizer(inner, outer, sync_every=SYNC_EVERY, manager=manager)
+    step = train_step(ctx, model, opt)
+    weakref.finalize(step, _shut_down, manager, lighthouse, store)
+    return Variant(step, details=_report(ctx, model, inner, lambda: opt.bytes_sent))
+
+
+def build_torchft(ctx: Context, quantize: bool = False) -> Variant:
+    """torchft's ``DiLoCo``: this rank is a replica group of one, meeting the others at rank 0's lighthouse.
+
+    ``quantize``: its fp8 pseudo-gradients (``should_quantize``; CUDA with triton only), counted as
+    one byte per value (its scales are not counted).
+    """
+    from torchft.local_sgd import DiLoCo
+
+    manager, lighthouse, store = _torchft_manager(ctx)
     handed = [0]
     allreduce = manager.allreduce
 
@@ -234,4 +254,8 @@ def diloco_case(ctx: Context) -> Case:
         else:
             variants[torchft] = functools.partial(build_torchft, ctx, compression is not None)
             pairs += impl_pairs(label, dcomm, torchft, "ddp adamw")
+            if compression is None:  # fault tolerance's cost: dcomm on torchft's manager
+                variants["dcomm diloco ft"] = functools.partial(build_dcomm_ft, ctx)
+                pairs.append(Pair("diloco ft", "dcomm diloco ft", dcomm, "dcomm/reference"))
+                pairs.append(Pair("diloco ft", "dcomm diloco ft", torchft, "dcomm/torch"))
     return Case("diloco", variants, pairs, steps_per_round=SYNC_EVERY, warmup_steps=SYNC_EVERY, details=details)

@@ -25,10 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dcomm.averaging.fault_tolerance import QuorumParameterAveraging
 from dcomm.averaging.parameters import (
     DEFAULT_BUCKET_CAP_MB,
     average_parameters_or_parameter_groups,
     check_bucket_cap_mb,
+    get_params_to_average,
 )
 from dcomm.core import resolve_group
 from dcomm.core.validation import check_state_dict, non_negative_int, positive_int
@@ -113,6 +115,11 @@ class PeriodicModelAverager(ModelAverager):
     bounds the extra memory of each averaging (see :func:`average_parameters`). For post-local
     SGD, ``warmup_steps`` must equal the hook's ``start_localSGD_iter``.
 
+    ``manager`` (a ``torchft.Manager``, instead of ``process_group``; ``pip install
+    'dcomm-averaging[ft]'``) averages over the replicas of torchft's quorum and survives failures:
+    a sync that fails is retried with the next quorum on the same parameters, and a replica that
+    joins takes a peer's step and the average (see :mod:`dcomm.averaging.fault_tolerance`).
+
     Example::
 
         >>> averager = PeriodicModelAverager(period=4, warmup_steps=100)  # doctest: +SKIP
@@ -127,11 +134,22 @@ class PeriodicModelAverager(ModelAverager):
         process_group: dist.ProcessGroup | None = None,
         *,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        manager: Any = None,
     ) -> None:
         self.warmup_steps: int = check_warmup_steps(warmup_steps)
         self.period: int = positive_int("period", period, "pass how many steps apart to average, usually more than 1")
         self.bucket_cap_mb = check_bucket_cap_mb(bucket_cap_mb)
-        super().__init__(process_group)
+        self._quorum_averaging: QuorumParameterAveraging | None = None
+        if manager is None:
+            super().__init__(process_group)
+        elif process_group is not None:
+            raise ValueError(
+                "process_group: got both a process group and a torchft manager; pass one: the manager's "
+                "quorum decides who averages"
+            )
+        else:
+            self.step = 0
+            self._quorum_averaging = QuorumParameterAveraging(manager, self)
         if self.period == 1:
             warnings.warn(PERIOD_ONE_WARNING, stacklevel=2)
 
@@ -154,7 +172,9 @@ class PeriodicModelAverager(ModelAverager):
 
             >>> averager.average_parameters(optimizer.param_groups)  # doctest: +SKIP
         """
-        if self.averages_at(self.step):
+        if self._quorum_averaging is not None:
+            self._quorum_averaging.average(list(get_params_to_average(params)))  # a healed replica's step changes
+        elif self.averages_at(self.step):
             average_parameters_or_parameter_groups(params, self.process_group, bucket_cap_mb=self.bucket_cap_mb)
         self.step += 1
 

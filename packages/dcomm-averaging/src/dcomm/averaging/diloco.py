@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from dcomm.averaging._diloco.exchange import (
 )
 from dcomm.averaging._diloco.fragments import split_bytes, sync_offsets
 from dcomm.averaging._wrapping_optimizer import WrappingOptimizer
+from dcomm.averaging.fault_tolerance import QuorumAverage, QuorumExchange, ReplicaQuorum
 from dcomm.core import foreach_copy_, foreach_sub_, reduced_by_nccl, resolve_group, views_like
 from dcomm.core.validation import boolean, non_negative_int, positive_int
 
@@ -45,7 +47,18 @@ class _InFlight:
     fragment: int
     advance_step: int
     apply_step: int
-    average: PendingAverage | ReadyAverage
+    average: PendingAverage | ReadyAverage | QuorumAverage
+    # With a torchft manager: the pseudo-gradient to send again if the sync fails (None: g - p,
+    # unchanged since the sync started), and whether this replica contributes (not when it healed).
+    source: torch.Tensor | None = None
+    contributes: bool = True
+
+
+def _finished(average: PendingAverage | ReadyAverage | QuorumAverage) -> torch.Tensor:
+    """The result of an average that cannot fail (not one over a torchft quorum)."""
+    result = average.result()
+    assert result is not None
+    return result
 
 
 def _unique_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -116,6 +129,13 @@ class DiLoCoOptimizer(WrappingOptimizer):
       done, and the host never waits), elsewhere the second starts ``(tau + 1) // 2`` steps later.
     * ``offload_global=True`` keeps ``g`` and the outer optimizer's state in CPU (pinned) memory
       between syncs instead of on the parameters' device.
+    * ``manager`` (a ``torchft.Manager`` built with ``use_async_quorum=False``, instead of
+      ``process_group``; ``pip install 'dcomm-averaging[ft]'``): each sync averages over the
+      replicas of torchft's quorum and survives failures. A sync that fails (a replica died inside
+      it) is retried with the next quorum on the same pseudo-gradients, so no inner step is lost;
+      a replica that joins or restarts heals from a live peer (the whole state is registered with
+      the manager) and starts from ``g``. Without failures the result equals the
+      ``process_group`` path's bit for bit on gloo. See :mod:`dcomm.averaging.fault_tolerance`.
 
     Extra memory per parameter byte (fp32 parameters, outer SGD with momentum): ``g`` 1 and the
     momentum 1, on the device by default, on the CPU with ``offload_global``; error feedback
@@ -149,6 +169,7 @@ class DiLoCoOptimizer(WrappingOptimizer):
         *,
         fragment_update_alpha: float = 0.0,
         offload_global: bool = False,
+        manager: Any = None,
     ) -> None:
         for name, value in (("inner", inner), ("outer", outer)):
             if not isinstance(value, torch.optim.Optimizer):
@@ -188,9 +209,20 @@ class DiLoCoOptimizer(WrappingOptimizer):
                 f"inner: its parameters lie on several devices {sorted(map(str, devices))}; "
                 "DiLoCoOptimizer needs them on one device (one optimizer pair per device)"
             )
-        self.process_group = resolve_group(process_group)
-        if dist.get_rank(self.process_group) < 0:  # -1: not a member
-            raise ValueError("process_group: this rank is not a member; build the optimizer on its members only")
+        self._quorum: ReplicaQuorum | None = None
+        if manager is not None:
+            if process_group is not None:
+                raise ValueError(
+                    "process_group: got both a process group and a torchft manager; pass one: the manager's "
+                    "quorum decides who averages"
+                )
+            self._quorum = ReplicaQuorum(manager, "DiLoCoOptimizer", self._replica_state, self._load_replica_state)
+            self._quorum.check_device(self._params[0].device)
+            self.process_group: dist.ProcessGroup | None = None
+        else:
+            self.process_group = resolve_group(process_group)
+            if dist.get_rank(self.process_group) < 0:  # -1: not a member
+                raise ValueError("process_group: this rank is not a member; build the optimizer on its members only")
         if len(self._params) < self.fragments:
             raise ValueError(
                 f"fragments: {fragments} is more than the {len(self._params)} parameters of inner; "
@@ -199,10 +231,17 @@ class DiLoCoOptimizer(WrappingOptimizer):
         sizes = [p.numel() * p.element_size() for p in self._params]
         self._fragments = split_bytes(sizes, self.fragments)
         self._offsets = sync_offsets(self.sync_every, self.fragments)
-        self._exchange = PseudoGradientExchange(self.process_group, compression)
-        # On NCCL a compressed sync's second stage only queues work on a side stream: start it at once.
-        on_nccl = reduced_by_nccl(self.process_group, self._params[0].device)
-        self._advance_at_launch = compression is not None and on_nccl
+        self._exchange: PseudoGradientExchange | QuorumExchange
+        if self._quorum is not None:
+            self._check_one_sync_at_a_time()
+            self._exchange = QuorumExchange(self._quorum, compression)
+            self._advance_at_launch = False
+        else:
+            assert self.process_group is not None
+            self._exchange = PseudoGradientExchange(self.process_group, compression)
+            # On NCCL a compressed sync's second stage only queues work on a side stream: start it at once.
+            on_nccl = reduced_by_nccl(self.process_group, self._params[0].device)
+            self._advance_at_launch = compression is not None and on_nccl
         self._feedback = [
             self._exchange.new_feedback(sum(self._params[j].numel() for j in indices), self._params[0].device)
             for indices in self._fragments
@@ -212,10 +251,18 @@ class DiLoCoOptimizer(WrappingOptimizer):
         # waits for it before it reads or writes them itself (state_dict, load_state_dict).
         self._offload_copies: Any = None
         self.inner_steps = 0
-        self._broadcast_params()
+        # With a manager: the sync that the quorum being joined is for, (fragment, apply step), or
+        # None for the first quorum; a replica healing from this one learns it from its state.
+        self._syncing: tuple[int, int] | None = None
+        if self._quorum is None:
+            self._broadcast_params()
         with torch.no_grad():
             self._global = [_pinned_like(p) if offload_global else p.detach().clone() for p in self._params]
         self._parts = [_FragmentParts.of(indices, self._params, self._global) for indices in self._fragments]
+        if self._quorum is not None:
+            # The first quorum: with init_sync every replica but the first heals from it; a replica
+            # that (re)starts while the others train heals from one of them, at their next sync.
+            self._join(None)
 
     # -- construction -------------------------------------------------------------------------
 
@@ -229,8 +276,20 @@ class DiLoCoOptimizer(WrappingOptimizer):
                 "e.g. model.parameters()"
             )
 
+    def _check_one_sync_at_a_time(self) -> None:
+        """A manager commits one sync at a time: each fragment's sync must end before the next starts."""
+        offsets = sorted(self._offsets)
+        gaps = [b - a for a, b in zip(offsets, [*offsets[1:], offsets[0] + self.sync_every], strict=True)]
+        if self.fragment_sync_delay > min(gaps):
+            raise ValueError(
+                f"fragment_sync_delay: {self.fragment_sync_delay} is longer than the {min(gaps)} steps between two "
+                f"fragments' syncs (sync_every={self.sync_every}, fragments={self.fragments}); with a torchft manager "
+                f"one sync must end before the next starts: pass at most {min(gaps)}"
+            )
+
     def _broadcast_params(self) -> None:
         """Make every rank start from the parameters of the group's first rank."""
+        assert self.process_group is not None
         source = dist.get_global_rank(self.process_group, 0)
         with torch.no_grad():
             sent = [p.detach() if p.is_contiguous() else p.detach().contiguous() for p in self._params]
@@ -293,11 +352,18 @@ class DiLoCoOptimizer(WrappingOptimizer):
                 flight.average.advance()
         for flight in [f for f in self._in_flight if f.apply_step == now]:
             self._in_flight.remove(flight)
-            self._apply(flight.fragment, flight.average.result())
+            if self._quorum is not None:
+                self._finish(flight)
+            else:
+                self._apply(flight.fragment, _finished(flight.average))
         delay = self.fragment_sync_delay
         for fragment, offset in enumerate(self._offsets):
             if now % self.sync_every != offset:
                 continue
+            if self._quorum is not None:
+                self._start(fragment)
+                continue
+            assert isinstance(self._exchange, PseudoGradientExchange)
             average = self._exchange.start(self._pseudo_gradient(fragment), self._feedback[fragment])
             if delay == 0:
                 self._apply(fragment, average.result())
@@ -307,6 +373,121 @@ class DiLoCoOptimizer(WrappingOptimizer):
             else:  # advancing waits for stage 1 on the host: halfway through the delay
                 self._in_flight.append(_InFlight(fragment, now + (delay + 1) // 2, now + delay, average))
         return loss
+
+    # -- syncs over a torchft quorum -----------------------------------------------------------
+    #
+    # A sync is: join a quorum, start averaging, (fragment_sync_delay steps later) commit. A failed
+    # commit joins the next quorum and sends the same pseudo-gradient again, until one commits. A
+    # replica that heals in a quorum has the state of a peer that was starting or retrying sync
+    # ``self._syncing``: it takes part in that sync with zeros and applies its result.
+
+    def _start(self, fragment: int) -> None:
+        """Join a quorum for ``fragment``'s sync and start averaging its pseudo-gradient."""
+        apply_step = self.inner_steps + self.fragment_sync_delay
+        if self._join((fragment, apply_step)):
+            return
+        flat = self._pseudo_gradient(fragment)
+        source = flat.clone() if self.fragment_sync_delay else None  # p moves before the commit
+        self._launch(_InFlight(fragment, 0, apply_step, None, source), flat)  # type: ignore[arg-type]
+
+    def _launch(self, flight: _InFlight, flat: torch.Tensor) -> None:
+        """Start ``flight``'s averaging of ``flat``; finish it now if it applies at this step."""
+        delay = self.fragment_sync_delay
+        flight.advance_step = flight.apply_step - delay + (delay + 1) // 2
+        flight.average = self._quorum_start(flight, flat)
+        if flight.apply_step == self.inner_steps:
+            self._finish(flight)
+        else:
+            self._in_flight.append(flight)
+
+    def _quorum_start(self, flight: _InFlight, flat: torch.Tensor) -> QuorumAverage:
+        assert isinstance(self._exchange, QuorumExchange)
+        return self._exchange.start(flat, self._feedback[flight.fragment], flight.contributes)
+
+    def _finish(self, flight: _InFlight) -> None:
+        """Commit ``flight`` and apply it, or retry it with the next quorum until it commits."""
+        assert self._quorum is not None
+        assert isinstance(flight.average, QuorumAverage)
+        while True:
+            average = flight.average.result()
+            if self._quorum.commit():
+                assert average is not None
+                self._apply(flight.fragment, average)
+                return
+            flight.average.undo()
+            if self._join((flight.fragment, flight.apply_step)):
+                return  # healed: this replica now follows its peer's sync
+            if not flight.contributes:
+                flat = self._zeros(flight.fragment)
+            elif flight.source is not None:
+                flat = flight.source.clone()
+            else:
+                flat = self._pseudo_gradient(flight.fragment)
+            flight.average = self._quorum_start(flight, flat)
+
+    def _join(self, syncing: tuple[int, int] | None) -> bool:
+        """Join a quorum for ``syncing`` (None: the first); True if this replica healed in it.
+
+        A healed replica follows the sync its peer was in (with zeros for its own contribution).
+        The first quorum, and one where a healed replica's peer was at its first quorum, commits here.
+        """
+        assert self._quorum is not None
+        self._syncing = syncing
+        healed = self._quorum.join()
+        while self._syncing is None:  # the first quorum: nothing to average
+            self._quorum.barrier()
+            if self._quorum.commit():
+                return healed
+            healed = self._quorum.join() or healed
+        if healed:
+            fragment, apply_step = self._syncing
+            self._launch(_InFlight(fragment, 0, apply_step, None, contributes=False), self._zeros(fragment))  # type: ignore[arg-type]
+        return healed
+
+    def _zeros(self, fragment: int) -> torch.Tensor:
+        parts = self._parts[fragment]
+        return torch.zeros(parts.numel, dtype=parts.dtype, device=parts.params[0].device)
+
+    def _replica_state(self) -> dict[str, Any]:
+        """What a replica that heals from this one loads (a copy: this replica goes on training)."""
+        self._wait_offload_copies()
+        return {
+            "config": self._config(),
+            "step": self.inner_steps,
+            "syncing": self._syncing,
+            "inner": copy.deepcopy(self.inner.state_dict()),
+            "outer": copy.deepcopy(self.outer.state_dict()),
+            "global": [g.clone() for g in self._global],
+        }
+
+    def _load_replica_state(self, state: dict[str, Any]) -> None:
+        """Become a copy of a peer: its optimizers, ``g`` and schedule; parameters = ``g``; feedback zero.
+
+        The parameters start from the global copy, not the peer's local ones, so that the peer's
+        progress since its last sync is not sent twice.
+        """
+        for key, value in self._config().items():
+            if state["config"].get(key) != value:
+                raise ValueError(
+                    f"manager: a peer's DiLoCoOptimizer has {key}={state['config'].get(key)!r}, this one {value!r}; "
+                    "build every replica with the same settings"
+                )
+        self._wait_offload_copies()
+        self.inner.load_state_dict(state["inner"])
+        self.outer.load_state_dict(state["outer"])
+        self._outer_state_offload(list(range(len(self._params))))
+        with torch.no_grad():
+            for mine, saved, param in zip(self._global, state["global"], self._params, strict=True):
+                mine.copy_(saved)
+                param.copy_(mine)
+            for feedback in self._feedback:
+                if feedback is not None:
+                    feedback.sent.zero_()
+                    feedback.chunk.zero_()
+        self._note_offload_copies()
+        self._in_flight = []
+        self.inner_steps = state["step"]
+        self._syncing = state["syncing"]
 
     # -- one fragment's sync ------------------------------------------------------------------
 
@@ -394,7 +575,7 @@ class DiLoCoOptimizer(WrappingOptimizer):
             "fragments": self.fragments,
             "fragment_sync_delay": self.fragment_sync_delay,
             "compression": self.compression,
-            "world_size": self._exchange.world,
+            "world_size": None if isinstance(self._exchange, QuorumExchange) else self._exchange.world,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -406,8 +587,13 @@ class DiLoCoOptimizer(WrappingOptimizer):
 
             >>> torch.save(opt.state_dict(), "diloco.pt")  # doctest: +SKIP
         """
+        if self._quorum is not None and self._in_flight:
+            raise RuntimeError(
+                "state_dict: with a torchft manager a sync in flight ends only at its commit; call state_dict() "
+                "at a step where no fragment sync is in flight (replicas heal from live peers without it)"
+            )
         for flight in self._in_flight:
-            flight.average = ReadyAverage(flight.average.result())
+            flight.average = ReadyAverage(_finished(flight.average))
         self._wait_offload_copies()
         state = self.inner.state_dict()
         state["step"] = self.inner_steps
@@ -417,7 +603,7 @@ class DiLoCoOptimizer(WrappingOptimizer):
             "global": list(self._global),
             "feedback": [None if f is None else {"sent": f.sent, "chunk": f.chunk} for f in self._feedback],
             "pending": [
-                {"fragment": f.fragment, "apply_step": f.apply_step, "average": f.average.result()}
+                {"fragment": f.fragment, "apply_step": f.apply_step, "average": _finished(f.average)}
                 for f in self._in_flight
             ],
             "bytes_sent": self._exchange.bytes_sent,

@@ -101,8 +101,7 @@ class PseudoGradientExchange:
 
     def __init__(self, group: dist.ProcessGroup, compression: str | None) -> None:
         self.group = group
-        self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.world = group.size()  # also for a group that torch.distributed does not know (torchft's)
         self.averager = None if compression is None else QuantizedAverage(compression, BLOCK_SIZE)
         self.bytes_sent = 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -17,7 +18,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAINING_CASES = ("ddp", "compression", "post-local-sgd", "zero", "fsdp", "fully_shard")
 EXPECTED_ROWS = {
     "averaging": {"averaging", "averaging/flattened"},
-    "diloco": {"diloco"},
+    # With torchft importable, dcomm's DiLoCo on torchft's manager runs too (its cost: "diloco ft").
+    "diloco": {"diloco"} | ({"diloco ft"} if importlib.util.find_spec("torchft") else set()),
     "ddp": {
         "ddp/allreduce",
         "ddp/fp16",

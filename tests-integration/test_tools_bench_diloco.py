@@ -87,16 +87,21 @@ def test_without_torchft_the_case_runs_dcomm_and_says_why() -> None:
 def test_torchft_runs_beside_dcomm_with_the_same_loss_and_bytes() -> None:
     pytest.importorskip("torchft")
     results, shut_down = run_ranks(_run_case, 2, False, timeout=240)[0]
-    assert shut_down == len(WORKLOADS)  # each workload's lighthouse and managers, once its variant was freed
+    # Each workload's lighthouse and managers, once their variant was freed: torchft's DiLoCo and
+    # dcomm's on torchft's manager ("dcomm diloco ft").
+    assert shut_down == 2 * len(WORKLOADS)
     for run in results:  # the second workload rebuilt them
         assert run["details"]["torchft"] == importlib.metadata.version("torchft")
         assert [(p["a"], p["b"]) for p in run["pairs"]] == [
             ("dcomm diloco", "torchft diloco"),
             ("dcomm diloco", "ddp adamw"),
             ("torchft diloco", "ddp adamw"),
+            ("dcomm diloco ft", "dcomm diloco"),
+            ("dcomm diloco ft", "torchft diloco"),
         ]
-        details = _check_run(run, {"ddp adamw", "dcomm diloco", "torchft diloco"})
+        details = _check_run(run, {"ddp adamw", "dcomm diloco", "torchft diloco", "dcomm diloco ft"})
         assert details["torchft diloco"] == details["dcomm diloco"]
+        assert details["dcomm diloco ft"] == details["dcomm diloco"]  # no failure: the same training
 
 
 def test_torchft_missing_says_why_without_raising(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -174,6 +174,8 @@ class ReplicaQuorum:
 
             >>> quorum.barrier()  # doctest: +SKIP
         """
+        if self.failed():
+            return  # its group may not be configured: the commit fails, and the quorum is retried
         try:
             one = torch.ones(1, device=self.device)
             work = dist.all_reduce(one, group=self.group, async_op=True)
@@ -181,6 +183,10 @@ class ReplicaQuorum:
             work.wait()
         except FAILURES as error:
             self.report(error)
+
+    def failed(self) -> bool:
+        """Whether this quorum already failed (torchft reports a failed group setup instead of raising)."""
+        return self.manager.errored() is not None
 
     def commit(self) -> bool:
         """Whether the sync since :meth:`join` succeeded on every replica (call it once per join).
@@ -237,6 +243,9 @@ class QuorumAverage:
                 feedback.sent.zero_()
         # How many replicas contribute (a replica healing in this quorum sends zeros).
         self._count = torch.full((1,), float(contributes), dtype=flat.dtype, device=flat.device)
+        if self._quorum.failed():
+            self._failed = True  # no collective on a group that may not be configured; the commit fails
+            return
         try:
             self._count_work = dist.all_reduce(self._count, group=group, async_op=True)
             if exchange.compression is None:

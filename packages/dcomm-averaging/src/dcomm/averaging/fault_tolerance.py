@@ -65,7 +65,7 @@ def require_torchft_manager(manager: Any, owner: str) -> Any:
         >>> require_torchft_manager(manager, "DiLoCoOptimizer")  # doctest: +SKIP
     """
     try:
-        from torchft import Manager  # type: ignore[import-untyped]
+        from torchft import Manager
     except ImportError as error:
         raise ImportError(
             f"manager: {owner}(manager=...) needs torchft, which is not installed; install it with {INSTALL_HINT}"

@@ -341,8 +341,12 @@ def hook_with_zero_step_interleaved(
     step over all ranks, which suits this hook.
 
     Args:
-        hook, ddp, zero, shard_buckets, reduce_scatter, gather_during_forward: as for
-            :func:`hook_with_zero_step`.
+        hook: the DDP hook that averages the gradients, as for :func:`hook_with_zero_step`.
+        ddp: the ``DistributedDataParallel`` model.
+        zero: the ``ZeroRedundancyOptimizer`` built with ``overlap_with_ddp=True``.
+        shard_buckets: split every bucket's step over all ranks.
+        reduce_scatter: reduce-scatter each rank's slice instead of allreducing buckets.
+        gather_during_forward: let each module's forward wait for its own parameters.
 
     Returns:
         The hook to pass to ``ddp.register_comm_hook(state, ...)``.

@@ -188,7 +188,9 @@ def low_precision_mp_policy(
 
     Args:
         dtype: ``torch.float16`` or ``torch.bfloat16``, the reduce dtype.
-        param_dtype, output_dtype, cast_forward_inputs: passed to ``MixedPrecisionPolicy``.
+        param_dtype: passed to ``MixedPrecisionPolicy``.
+        output_dtype: passed to ``MixedPrecisionPolicy``.
+        cast_forward_inputs: passed to ``MixedPrecisionPolicy``.
 
     Returns:
         A ``torch.distributed.fsdp.MixedPrecisionPolicy``.

@@ -10,7 +10,6 @@ torchft 0.2 and its OpenTelemetry dependencies on ``PYTHONPATH``.
 from __future__ import annotations
 
 import multiprocessing
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -28,31 +27,14 @@ CONFIGS = [(3, 1), (6, 3)]
 
 
 def _torchft_replica(replica: int, lighthouse: str, sync_every: int, fragments: int, folder: str) -> None:
-    import torch.distributed as dist
-    from torchft import Manager, ProcessGroupGloo
     from torchft.local_sgd import DiLoCo
 
+    from dcomm_testing.torchft_replicas import make_manager
+
     torch.set_num_threads(1)
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     model = make_model(0, torch.float32)
     inner, outer = make_optimizers(model)
-    wait = timedelta(seconds=60)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=wait),
-        min_replica_size=2,
-        use_async_quorum=False,
-        load_state_dict=None,
-        state_dict=None,
-        replica_id=f"replica{replica}",
-        store_addr="localhost",
-        store_port=store.port,
-        rank=0,
-        world_size=1,
-        lighthouse_addr=lighthouse,
-        timeout=wait,
-        quorum_timeout=wait,
-        connect_timeout=wait,
-    )
+    manager = make_manager(replica, lighthouse, min_replica_size=2, timeout_s=60.0, quorum_timeout_s=60.0)
     layers = [m for m in model if isinstance(m, torch.nn.Linear)] if fragments > 1 else [model]
     # One outer optimizer per fragment: with one shared optimizer torchft's outer step would also
     # move the other fragments' parameters by their inner gradients.

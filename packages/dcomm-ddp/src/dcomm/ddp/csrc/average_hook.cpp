@@ -230,8 +230,7 @@ class AverageHook final : public SwitchedHook {
   // The cast, the collective and the cast back into DDP's bucket, all ordered on a side stream:
   // the backward stream only records that the bucket is full and goes on. The returned future
   // completes on the side stream, so DDP's wait for it orders the backward stream after the cast
-  // back. (1x H200, gradient_as_bucket_view=True: 0.97-0.98x the step with the casts on the
-  // backward stream with TF32, level with bf16 autocast.)
+  // back. Why this path exists and what it was measured to give: docs/design/native-hooks.md.
   c10::intrusive_ptr<c10::ivalue::Future> averageAside(size_t index, const at::Tensor& buffer, at::Tensor& sent,
                                                        const Plan& plan) {
     c10::impl::VirtualGuardImpl device(buffer.device().type());

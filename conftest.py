@@ -11,7 +11,9 @@ processes themselves), and ```` ```python runner:gpu ```` blocks are skipped on 
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -26,7 +28,8 @@ import pytest
 from dcomm_testing import rank_process_context
 
 RANKS = 2
-TIMEOUT_S = 300
+TIMEOUT_S = 240
+"""Seconds a block may run; below the tests' pytest timeout (300 s), so a hang reports its stacks."""
 
 try:
     from pytest_markdown_docs._runners import DefaultRunner, register_runner
@@ -44,6 +47,8 @@ def _rank_main(source: str, filename: str, folder: str, env: dict[str, str], arg
     os.environ.update(env)
     os.chdir(folder)
     sys.argv = argv
+    stacks = open(Path(folder, f"rank{env['RANK']}.stacks"), "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # run_block asks on a hang
     try:
         exec(compile(source, filename, "exec"), {"__name__": "__main__"})
     except BaseException:
@@ -75,15 +80,24 @@ def run_block(source: str, where: str, ranks: int, argv: list[str] | None = None
         failures = []
         for rank, process in enumerate(processes):
             if process.is_alive():
-                process.kill()
-                process.join()
-                failures.append(f"rank {rank} hung for {TIMEOUT_S} s")
+                failures.append(f"rank {rank} hung for {TIMEOUT_S} s; its threads:\n{_stacks(process, folder, rank)}")
             elif process.exitcode != 0:
                 error = Path(folder, f"rank{rank}.err")
                 story = error.read_text() if error.exists() else "(no traceback: the process died)"
                 failures.append(f"rank {rank} exited with {process.exitcode}:\n{story}")
         if failures:
             raise AssertionError(f"{where}: the code block failed\n" + "\n".join(failures))
+
+
+def _stacks(process: Any, folder: str, rank: int) -> str:
+    """Ask a hung rank for its threads' Python stacks (faulthandler), then kill it."""
+    assert process.pid is not None
+    os.kill(process.pid, signal.SIGUSR1)
+    time.sleep(2.0)
+    process.kill()
+    process.join()
+    stacks = Path(folder, f"rank{rank}.stacks")
+    return stacks.read_text() if stacks.exists() else "(no stacks written)"
 
 
 def run_program(source: str, where: str) -> None:

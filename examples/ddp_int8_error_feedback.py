@@ -28,6 +28,13 @@ def main() -> None:
     args = parser.parse_args()
 
     dist.init_process_group(args.backend)
+    try:
+        train(args)
+    finally:  # once train() has freed the model: a live DDP can make gloo hang here
+        dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.backend == "nccl" else torch.device("cpu")
     torch.manual_seed(0)
@@ -53,7 +60,6 @@ def main() -> None:
     if rank == 0:
         print(f"sent {state.bytes_sent:,} bytes: {state.bytes_sent / fp32_bytes:.3f} of an fp32 allreduce's")
     torch.save({"model": model.state_dict(), "int8": state.state_dict()}, f"int8-rank{rank}.pt")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

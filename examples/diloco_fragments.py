@@ -30,6 +30,13 @@ def main() -> None:
     args = parser.parse_args()
 
     dist.init_process_group(args.backend)
+    try:
+        train(args)
+    finally:  # once train() has freed the model: a live DDP can make gloo hang here
+        dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.backend == "nccl" else torch.device("cpu")
     torch.manual_seed(0)
@@ -55,7 +62,6 @@ def main() -> None:
         per_step = optimizer.bytes_sent / args.steps / parameters
         print(f"sent {optimizer.bytes_sent:,} bytes: {per_step:.3f} per parameter per step (DDP in fp32: about 4)")
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f"diloco-rank{rank}.pt")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,13 @@ def main() -> None:
     args = parser.parse_args()
 
     dist.init_process_group(args.backend)
+    try:
+        train(args)
+    finally:  # once train() has freed the model: a live DDP can make gloo hang here
+        dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -54,7 +61,6 @@ def main() -> None:
         optimizer.step()
         if rank == 0 and step % 10 == 0:
             print(f"step {step:3d}  loss {loss.item():.4f}")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

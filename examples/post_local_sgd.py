@@ -31,6 +31,13 @@ def main() -> None:
     args = parser.parse_args()
 
     dist.init_process_group(args.backend)
+    try:
+        train(args)
+    finally:  # once train() has freed the model: a live DDP can make gloo hang here
+        dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.backend == "nccl" else torch.device("cpu")
     torch.manual_seed(0)
@@ -58,7 +65,6 @@ def main() -> None:
         {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "hook": state.state_dict()},
         f"post-local-sgd-rank{rank}.pt",
     )
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -35,6 +35,13 @@ def main() -> None:
     args = parser.parse_args()
 
     dist.init_process_group(args.backend)
+    try:
+        train(args)
+    finally:  # once train() has freed the model: a live DDP can make gloo hang here
+        dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.backend == "nccl" else torch.device("cpu")
     torch.manual_seed(0)
@@ -73,7 +80,6 @@ def main() -> None:
             torch.save(saved | {"powersgd": state.state_dict()}, checkpoint)
     if rank == 0:
         print(f"stopped at step {stop}" if stop < args.steps else f"done: {args.steps} steps")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

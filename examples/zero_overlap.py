@@ -30,6 +30,13 @@ def main() -> None:
     args = parser.parse_args()
 
     dist.init_process_group(args.backend)
+    try:
+        train(args)
+    finally:  # once train() has freed the model: a live DDP can make gloo hang here
+        dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.backend == "nccl" else torch.device("cpu")
     torch.manual_seed(0)
@@ -50,7 +57,6 @@ def main() -> None:
     zero.consolidate_state_dict(to=0)  # every rank calls it; rank 0 receives the whole state
     if rank == 0:
         torch.save({"model": model.state_dict(), "optimizer": zero.state_dict()}, "zero-checkpoint.pt")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

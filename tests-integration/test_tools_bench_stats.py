@@ -105,7 +105,7 @@ def test_plan_runs_each_training_case_on_every_workload_and_precision() -> None:
     assert runs[-1] == ("hook-latency", "-", "-")
     assert len(runs) == 2 * 2 * len(TRAINING_CASES) + 2 * len(PER_WORKLOAD_CASES) + 1
     everything = parse_args(["--workload", "all", "--precision", "all"])
-    assert everything.workload == ["mlp-wide", "mlp-deep", "transformer", "gpt-deep", "llama", "cnn"]
+    assert everything.workload == ["mlp-wide", "mlp-deep", "transformer", "gpt-deep", "llama", "demo-lm", "cnn"]
     assert everything.precision == ["fp32", "tf32", "bf16-autocast"]
 
 

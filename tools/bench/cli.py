@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--steps", type=int, default=None, help="steps per variant per round (default 3; post-local SGD: periods of 4)"
     )
+    parser.add_argument(
+        "--sync-every", type=int, default=8, help="DiLoCo's H: inner steps per sync (default 8; a round is one period)"
+    )
     parser.add_argument("--min-rounds", type=int, default=None, help="rounds per case at least")
     parser.add_argument("--max-rounds", type=int, default=None, help="rounds per case at most")
     parser.add_argument(
@@ -84,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--min-rounds {args.min_rounds} is above --max-rounds {args.max_rounds}; lower it")
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps {args.steps}: must be at least 1")
+    if args.sync_every < 1:
+        parser.error(f"--sync-every {args.sync_every}: must be at least 1")
     for flag in ("min_rounds", "max_rounds"):
         if getattr(args, flag) is not None and getattr(args, flag) < 2:
             parser.error(f"--{flag.replace('_', '-')} must be at least 2 (an interval needs two rounds)")
@@ -132,15 +137,17 @@ def run_one(
     precision: str,
     variants: Sequence[str] = (),
     control: bool = False,
+    sync_every: int = 8,
 ) -> CaseResult:
     """One case on one workload and precision; a failure outside its variants becomes an error.
 
-    ``variants``: globs of the variants to keep; ``control``: add the case's A/A pair (:func:`with_control`).
+    ``variants``: globs of the variants to keep; ``control``: add the case's A/A pair (:func:`with_control`);
+    ``sync_every``: the DiLoCo variants' H.
     """
     # Per-run cases ("-") ignore the workload and precision; they get mlp-wide in fp32.
     model = WORKLOADS[workload if workload != "-" else "mlp-wide"][tier]
     set_tf32(precision not in ("fp32", "-"))
-    ctx = Context(bench, model, precision if precision != "-" else "fp32")
+    ctx = Context(bench, model, precision if precision != "-" else "fp32", sync_every)
     try:
         kept = keep_variants(CASES[case](ctx), variants)
         return run_case(bench, with_control(kept) if control else kept, policy, workload, precision)
@@ -213,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         if bench.out_of_time():
             results.append(skipped(case, workload, precision, "skipped: the benchmark's time budget was spent"))
             continue
-        result = run_one(bench, tier, policy, case, workload, precision, args.variants, args.control)
+        result = run_one(bench, tier, policy, case, workload, precision, args.variants, args.control, args.sync_every)
         results.append(result)
         if bench.rank == 0:
             print(f"[bench] {case} {workload} {precision}: {result.rounds} rounds, {result.seconds:.1f}s", flush=True)

@@ -7,6 +7,8 @@
 - ``llama``: Llama-shaped, unlike the GPT in every way a layout can see (RMSNorm, rotary
   positions, a SwiGLU MLP, no biases, the LM head tied to the token embedding: one parameter used
   twice; 86 tensors at 12 layers);
+- ``demo-lm``: the shape of ``hatch run demo``'s byte-level GPT (its ``small`` and ``large``
+  configurations; random bytes instead of its corpus);
 - ``cnn``: ResNet-34-shaped (3x3 convolutions without biases, a BatchNorm after each, residual
   blocks, a linear classifier; 110 tensors, most of them BatchNorm's small weights and biases).
 
@@ -366,6 +368,12 @@ WORKLOADS: dict[str, dict[str, Workload]] = {
             "llama", vocab=8000, tokens=512, width=512, layers=12, heads=8, hidden=1408, batch=8
         ),
         "small": LlamaWorkload("llama", vocab=256, tokens=32, width=64, layers=2, heads=4, hidden=176, batch=4),
+    },
+    "demo-lm": {
+        # tools/demo_lm's TinyGPT: 256 byte tokens, no output bias; small is the demo's default model.
+        "large": TransformerWorkload("demo-lm", vocab=256, tokens=256, width=384, layers=6, heads=6, batch=32),
+        "large-slow": TransformerWorkload("demo-lm", vocab=256, tokens=256, width=384, layers=6, heads=6, batch=32),
+        "small": TransformerWorkload("demo-lm", vocab=256, tokens=64, width=64, layers=2, heads=4, batch=8),
     },
     "cnn": {
         # ResNet-34's stages (3, 4, 6, 3 blocks): 21M parameters in 110 tensors, 64 images of 64 px.

@@ -39,11 +39,12 @@ def make_optimizers(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, torc
 
 
 def backward(model: torch.nn.Module, rank: int, step: int) -> None:
-    dtype = next(model.parameters()).dtype
+    """Rank ``rank``'s loss at ``step`` (drawn on the CPU, on the model's device), backpropagated."""
+    first = next(model.parameters())
     x, y = seeded_pair(
-        1000 * rank + step, (8, 4), (8, 4), y_scale=rank + 1, uniform_y=True, draw=torch.float64, dtype=dtype
+        1000 * rank + step, (8, 4), (8, 4), y_scale=rank + 1, uniform_y=True, draw=torch.float64, dtype=first.dtype
     )
-    ((model(x) - y) ** 2).mean().backward()
+    ((model(x.to(first.device)) - y.to(first.device)) ** 2).mean().backward()
 
 
 def reference(

@@ -1,7 +1,8 @@
 """DiLoCoOptimizer and PeriodicModelAverager under a torchft Manager: parity, failures, healing.
 
 A lighthouse runs in the test process; each replica is a spawned process with its own Manager
-(one-rank replica group, gloo, CPU). Without failures the manager path must equal the
+(one-rank replica group, gloo on the CPU; the failure test also on torchft's NCCL group, one GPU
+per replica, where there are 3 GPUs). Without failures the manager path must equal the
 ``process_group`` path bit for bit (the same gloo sums, the same division). With a replica killed
 (SIGKILL) at a chosen point, the survivors must equal an fp64 reference in which that replica
 leaves at that sync; a restarted replica must heal from a peer and take part in the later syncs.
@@ -59,7 +60,11 @@ def _wait_for(path: Path) -> None:
 
 def _diloco_replica(replica: int, lighthouse: str, folder: str, cfg: dict[str, Any], barrier: Any) -> None:
     torch.set_num_threads(1)
-    manager = make_manager(replica, lighthouse, init_sync=cfg["init_sync"])
+    backend = cfg.get("backend", "gloo")
+    device = torch.device("cuda", replica) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    manager = make_manager(replica, lighthouse, init_sync=cfg["init_sync"], backend=backend)
     if barrier is not None:  # every manager heartbeats: the first quorum waits for all of them
         barrier.wait(timeout=JOIN_TIMEOUT)
     if cfg.get("die_after_quorum"):
@@ -67,7 +72,7 @@ def _diloco_replica(replica: int, lighthouse: str, folder: str, cfg: dict[str, A
     if cfg.get("die_at_commit"):
         _die_at_commit(manager, cfg["die_at_commit"])
     # With init_sync the replicas heal from the first at the first quorum: start them apart.
-    model = make_model(replica if cfg["init_sync"] else 0, cfg["dtype"])
+    model = make_model(replica if cfg["init_sync"] else 0, cfg["dtype"]).to(device)
     inner, outer = make_optimizers(model)
     if cfg.get("restarted"):
         (Path(folder) / "up").touch()
@@ -88,7 +93,7 @@ def _diloco_replica(replica: int, lighthouse: str, folder: str, cfg: dict[str, A
         opt.zero_grad()
         backward(model, replica, step)
         opt.step()
-        history[opt.inner_steps] = [p.detach().clone() for p in model.parameters()]
+        history[opt.inner_steps] = [p.detach().cpu().clone() for p in model.parameters()]
         if cfg.get("step_sleep"):
             import time
 
@@ -285,10 +290,26 @@ FAULTS = [
 ]
 
 
+ON_GLOO_AND_NCCL_REPLICAS = pytest.mark.parametrize(
+    "backend",
+    [
+        "gloo",
+        pytest.param(
+            "nccl",
+            marks=pytest.mark.skipif(
+                not torch.distributed.is_nccl_available() or torch.cuda.device_count() < 3,
+                reason="torchft's NCCL group needs 3 GPUs here (one per replica)",
+            ),
+        ),
+    ],
+)
+
+
 @pytest.mark.timeout(300)
+@ON_GLOO_AND_NCCL_REPLICAS
 @pytest.mark.parametrize(("delay", "how", "when", "contributors"), FAULTS)
 def test_survivors_lose_no_step_when_a_replica_dies(
-    delay: int, how: str, when: int, contributors: dict[int, list[int]], tmp_path: Path
+    delay: int, how: str, when: int, contributors: dict[int, list[int]], backend: str, tmp_path: Path
 ) -> None:
     sync_every, steps = 3, 15
     cfg = {
@@ -299,6 +320,7 @@ def test_survivors_lose_no_step_when_a_replica_dies(
         "init_sync": False,
         "steps": steps,
         "dtype": torch.float64,
+        "backend": backend,
     }
     ours = _run_replicas(_diloco_replica, [cfg, cfg, {**cfg, how: when}], tmp_path)
     assert sorted(ours) == [0, 1], "replica 2 should have died, the survivors finished"

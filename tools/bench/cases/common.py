@@ -34,6 +34,8 @@ class Context:
     bench: Bench
     workload: Workload
     precision: str
+    sync_every: int = 8
+    """Inner steps per sync of the DiLoCo variants (DiLoCo's H; ``--sync-every``)."""
 
     @property
     def device(self) -> torch.device:

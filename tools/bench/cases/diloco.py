@@ -1,12 +1,12 @@
 """DiLoCo: dcomm's ``DiLoCoOptimizer`` against torchft's ``DiLoCo`` (the peer) and DDP, same task.
 
 Every variant trains the workload in fp32 with AdamW (lr 4e-4) on each rank's own batch. The two
-DiLoCo variants sync every ``SYNC_EVERY`` inner steps with an outer SGD (lr 0.7, momentum 0.9,
-Nesterov), plain DiLoCo (one fragment, no delay, no compression), and on GPUs also with fp8
-pseudo-gradients (dcomm's ``compression="fp8"``, torchft's ``should_quantize``); ``ddp adamw``
-(the reference) allreduces the gradients every step. A round times one period of each, sync included; the warm-up
-is one period too (torchft's first quorum, and its healing of the other replicas from the first
-at step 0, happen there).
+DiLoCo variants sync every ``ctx.sync_every`` inner steps (``--sync-every``, 8 by default) with
+an outer SGD (lr 0.7, momentum 0.9, Nesterov), plain DiLoCo (one fragment, no delay, no
+compression), and on GPUs also with fp8 pseudo-gradients (dcomm's ``compression="fp8"``,
+torchft's ``should_quantize``); ``ddp adamw`` (the reference) allreduces the gradients every
+step. A round times one period of each, sync included; the warm-up is one period too (torchft's
+first quorum, and its healing of the other replicas from the first at step 0, happen there).
 
 torchft runs as across hosts, one replica group of one rank per process: a lighthouse
 (``min_replicas`` = the world size) in rank 0's process, a ``Manager`` with its own gloo (NCCL on
@@ -49,10 +49,7 @@ from tools.bench.ab import Case, Pair, Variant
 from tools.bench.cases.common import Context, impl_pairs, train_step
 from tools.launch import short_error
 
-__all__ = ["SYNC_EVERY", "allreduce_bytes_sent", "diloco_case", "torchft_missing"]
-
-SYNC_EVERY = 8
-"""Inner steps per sync (DiLoCo's H), the same for dcomm and torchft; one round holds one period."""
+__all__ = ["allreduce_bytes_sent", "diloco_case", "torchft_missing"]
 
 INNER_LR = 4e-4
 OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
@@ -139,7 +136,7 @@ def build_dcomm(ctx: Context, compression: str | None = None) -> Variant:
 
     model = ctx.model()
     inner, outer = _optimizers(model)
-    opt = DiLoCoOptimizer(inner, outer, sync_every=SYNC_EVERY, compression=compression)
+    opt = DiLoCoOptimizer(inner, outer, sync_every=ctx.sync_every, compression=compression)
     return Variant(train_step(ctx, model, opt), details=_report(ctx, model, inner, lambda: opt.bytes_sent))
 
 
@@ -204,7 +201,7 @@ def build_dcomm_ft(ctx: Context) -> Variant:
     manager, lighthouse, store = _torchft_manager(ctx)
     model = ctx.model()
     inner, outer = _optimizers(model)
-    opt = DiLoCoOptimizer(inner, outer, sync_every=SYNC_EVERY, manager=manager)
+    opt = DiLoCoOptimizer(inner, outer, sync_every=ctx.sync_every, manager=manager)
     step = train_step(ctx, model, opt)
     weakref.finalize(step, _shut_down, manager, lighthouse, store)
     return Variant(step, details=_report(ctx, model, inner, lambda: opt.bytes_sent))
@@ -230,7 +227,7 @@ def build_torchft(ctx: Context, quantize: bool = False) -> Variant:
     model = ctx.model()
     inner, outer = _optimizers(model)
     diloco = DiLoCo(
-        manager, [model], inner, outer, sync_every=SYNC_EVERY, backup_device=ctx.device, should_quantize=quantize
+        manager, [model], inner, outer, sync_every=ctx.sync_every, backup_device=ctx.device, should_quantize=quantize
     )
     diloco.__enter__()  # its hooks on inner.step run the syncs; they go with inner
     step = train_step(ctx, model, inner)
@@ -242,7 +239,7 @@ def diloco_case(ctx: Context) -> Case:
     variants: dict[str, Callable[[], Variant]] = {"ddp adamw": lambda: build_ddp_adamw(ctx)}
     pairs: list[Pair] = []
     missing = ctx.bench.agree(torchft_missing())  # every rank builds the same variants
-    details: dict[str, Any] = {"H": SYNC_EVERY, "torchft": missing or _torchft_version()}
+    details: dict[str, Any] = {"H": ctx.sync_every, "torchft": missing or _torchft_version()}
     # (row, variant suffix, dcomm's compression); torchft quantizes only on CUDA, so the
     # compressed pseudo-gradients are compared there.
     runs = [("diloco", "", None)] + ([("diloco/fp8", " fp8", "fp8")] if ctx.bench.is_cuda else [])
@@ -258,4 +255,4 @@ def diloco_case(ctx: Context) -> Case:
                 variants["dcomm diloco ft"] = functools.partial(build_dcomm_ft, ctx)
                 pairs.append(Pair("diloco ft", "dcomm diloco ft", dcomm, "dcomm/reference"))
                 pairs.append(Pair("diloco ft", "dcomm diloco ft", torchft, "dcomm/torch"))
-    return Case("diloco", variants, pairs, steps_per_round=SYNC_EVERY, warmup_steps=SYNC_EVERY, details=details)
+    return Case("diloco", variants, pairs, steps_per_round=ctx.sync_every, warmup_steps=ctx.sync_every, details=details)

@@ -1,8 +1,8 @@
 """A torchft job on one machine: a lighthouse in this process and one torchft Manager per replica.
 
-Each replica is a one-rank replica group with its own ``TCPStore`` on port 0 and a gloo process
-group; the lighthouse binds port 0 too, so parallel tests never collide. The timeouts are short
-so that a killed replica is noticed within about a second.
+Each replica is a one-rank replica group with its own ``TCPStore`` on port 0 and a gloo (or
+NCCL, one GPU per replica) process group; the lighthouse binds port 0 too, so parallel tests
+never collide. The timeouts are short so that a killed replica is noticed within about a second.
 
 Example::
 
@@ -54,19 +54,25 @@ def make_manager(
     init_sync: bool = True,
     timeout_s: float = 10.0,
     quorum_timeout_s: float = 60.0,
+    backend: str = "gloo",
 ) -> Any:
-    """A torchft ``Manager`` for one-rank replica group ``replica`` (gloo), with its own store.
+    """A torchft ``Manager`` for one-rank replica group ``replica``, with its own store.
+
+    ``backend``: ``"gloo"``, or ``"nccl"`` (torchft's ``ProcessGroupNCCL``; the caller has set
+    this process's CUDA device).
 
     Example::
 
         >>> manager = make_manager(0, lighthouse.address(), init_sync=False)  # doctest: +SKIP
     """
-    from torchft import Manager, ProcessGroupGloo
+    from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend: got {backend!r}; pass 'gloo' or 'nccl'")
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     timeout = timedelta(seconds=timeout_s)
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
+        pg=(ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo)(timeout=timeout),
         min_replica_size=min_replica_size,
         use_async_quorum=False,
         load_state_dict=None,

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_averaging_diloco import backward, make_model, make_optimizers
+from test_averaging_diloco import backward, make_model, make_optimizers, reference
 
 from dcomm.averaging import DiLoCoOptimizer
 from dcomm_testing import run_ranks
@@ -331,6 +331,30 @@ def test_survivors_lose_no_step_when_a_replica_dies(
     applied = max(s for s in range(sync_every + delay, steps + 1, sync_every))  # the last sync's result
     for a, b in zip(ours[0][applied], ours[1][applied], strict=True):
         assert torch.equal(a, b), f"the survivors differ after the sync applied at step {applied}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    not torch.distributed.is_nccl_available() or not torch.cuda.is_available(), reason="needs a GPU and NCCL"
+)
+def test_one_replica_on_torchft_nccl_equals_diloco(tmp_path: Path) -> None:
+    """The manager path on torchft's NCCL group and a GPU model: what one GPU can check."""
+    sync_every, steps = 3, 9
+    cfg = {
+        "sync_every": sync_every,
+        "fragments": 1,
+        "delay": 0,
+        "compression": None,
+        "init_sync": False,
+        "steps": steps,
+        "dtype": torch.float64,
+        "backend": "nccl",
+    }
+    ours = _run_replicas(_diloco_replica, [cfg], tmp_path)
+    assert sorted(ours) == [0]
+    expected = reference(1, torch.float64, sync_every, 1, 0, 0.0, steps)
+    for step in range(1, steps + 1):
+        _assert_close(ours[0][step], expected[step - 1][0], f"step {step}")
 
 
 @pytest.mark.timeout(300)

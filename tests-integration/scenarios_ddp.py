@@ -59,7 +59,7 @@ class _Run(DDPRun):
         if native is not None:  # dcomm's explicit registration: C++ on the reducer, or Python
             from dcomm.ddp import register_comm_hook
 
-            assert register_comm_hook(self.ddp, state, hook, native=native) == ("native" if native else "python")
+            self.path = register_comm_hook(self.ddp, state, hook, native=native)
 
     def train(self, first: int = 0, last: int = STEPS) -> list[torch.Tensor]:
         return super().train(first, last)
@@ -88,7 +88,7 @@ def scenario_ddp_compress_hooks(rank: int, world_size: int) -> None:
 
 @scenario()
 def scenario_ddp_hooks_in_cpp(rank: int, world_size: int) -> None:
-    # dcomm.ddp.register_comm_hook(..., native=True) has DDP's reducer run dcomm's averaging hooks
+    # dcomm.ddp.register_comm_hook(..., native=True) has DDP's reducer run dcomm's compress hooks
     # in C++: the same parameters, bit for bit, as the Python hooks, without entering them.
     import dcomm.ddp.default_hooks as default_hooks
 
@@ -98,8 +98,11 @@ def scenario_ddp_hooks_in_cpp(rank: int, world_size: int) -> None:
             results = {}
             for native in (True, False):
                 calls.clear()
-                results[native] = _Run(hook, None, native=native).train()
-                assert (len(calls) == 0) == native, f"{hook.__qualname__}: {len(calls)} Python calls"
+                run = _Run(hook, None, native=native)
+                results[native] = run.train()
+                in_cpp = native and hook is not allreduce_hook  # allreduce_hook has no C++ twin
+                assert run.path == ("native" if in_cpp else "python"), (hook.__qualname__, native, run.path)
+                assert (len(calls) == 0) == in_cpp, f"{hook.__qualname__}: {len(calls)} Python calls"
             assert_close(results[True], results[False], 0.0, f"{hook.__qualname__}: C++ vs Python")
 
 

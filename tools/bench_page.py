@@ -96,6 +96,15 @@ SECTIONS = (
         "rank no bytes move, so this measures what each path adds to the step.",
     ),
     Section(
+        "bench-cpu-gloo-ddp-native.json",
+        "DDP hooks: C++ against Python, gloo on CPU",
+        "The same C++-against-Python rows at 2 gloo ranks sharing one 2-core machine (small models, "
+        "fp32, about 200 rounds each). Measured while `allreduce_hook` still had a C++ twin: it was "
+        "level with the Python hook here and on the GPU (slower on the 581-tensor GPT), so it was "
+        "removed; the fp16 and bf16 twins are level here, where the step is compute, and stay for "
+        "their gain on the GPU above.",
+    ),
+    Section(
         "bench-4gpu-h200-slow-link-llama.json",
         "Compression hooks on a slow link",
         "A Llama-shaped model (86 tensors, tied head) with bf16 autocast over an emulated slow link: "

@@ -4,9 +4,10 @@
 can do (one allreduce of the bucket with the averaging arithmetic, waited for at the last
 bucket, a completed future). dcomm's ``allreduce_hook`` is compared with it, so the share of its
 distance to the built-in that belongs to DDP's Python hook mechanism is visible. dcomm's hooks are
-registered in C++ on the reducer (``dcomm.ddp.register_comm_hook(..., native=True)``); each
-``dcomm <hook> python`` variant registers the same hook with ``native=False``, so the rows
-``ddp/<hook> C++ vs python`` show what the C++ path saves.
+registered with ``dcomm.ddp.register_comm_hook(..., native=True)``: in C++ on the reducer for the
+fp16 and bf16 hooks (``allreduce_hook`` has no C++ twin); each ``dcomm <hook> python`` variant
+registers the same hook with ``native=False``, so the rows ``ddp/<hook> C++ vs python`` show what
+the C++ path saves.
 
 Example::
 
@@ -30,6 +31,7 @@ from tools.impls import resolve
 
 __all__ = [
     "DDP_HOOKS",
+    "NATIVE_HOOKS",
     "FloorState",
     "build_ddp",
     "build_python_floor",
@@ -39,6 +41,8 @@ __all__ = [
 ]
 
 DDP_HOOKS = {"allreduce": "allreduce_hook", "fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook"}
+NATIVE_HOOKS = ("fp16", "bf16")
+"""The rows of DDP_HOOKS whose dcomm hook has a C++ twin."""
 
 
 def register_hook(ddp: Any, state: object, hook: Any, impl: str, python: bool = False) -> None:
@@ -106,7 +110,7 @@ def ddp_case(ctx: Context) -> Case:
     case.variants["builtin views"] = lambda: build_ddp(ctx, None, views=True)
     views = lambda impl: build_ddp(ctx, (impl, "fp16"), views=True)  # noqa: E731
     add_versions(case, "ddp/fp16 grad views", "fp16 views", views, "builtin views")
-    for name in DDP_HOOKS:
+    for name in NATIVE_HOOKS:
         python = f"dcomm {name} python"
         case.variants[python] = lambda name=name: build_ddp(ctx, ("dcomm", name), python=True)
         case.pairs.append(Pair(f"ddp/{name} C++ vs python", f"dcomm {name}", python, "dcomm/reference"))

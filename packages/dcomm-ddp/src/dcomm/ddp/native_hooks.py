@@ -4,10 +4,11 @@ DDP calls a Python comm hook once per bucket on the autograd thread, and that ca
 GIL, wrapping the bucket, unwrapping the returned future) costs host time per bucket; torch's
 built-in hooks avoid it, but ``DistributedDataParallel.register_comm_hook`` takes only Python
 callables. :func:`register_comm_hook` puts a C++ hook with the Python hook's arithmetic on the
-reducer for :func:`~dcomm.ddp.allreduce_hook`, :func:`~dcomm.ddp.fp16_compress_hook` and
-:func:`~dcomm.ddp.bf16_compress_hook` (bit-identical gradients), and for the ZeRO overlap hooks
-(:mod:`dcomm.ddp.zero_overlap`: every bucket communicated in C++, one Python call per backward
-pass once DDP has settled its buckets). Any other hook is registered as the Python hook it is.
+reducer for :func:`~dcomm.ddp.fp16_compress_hook` and :func:`~dcomm.ddp.bf16_compress_hook`
+(bit-identical gradients), and for the ZeRO overlap hooks (:mod:`dcomm.ddp.zero_overlap`: every
+bucket communicated in C++, one Python call per backward pass once DDP has settled its buckets).
+Any other hook, :func:`~dcomm.ddp.allreduce_hook` included (its C++ twin measured no faster than
+the Python hook), is registered as the Python hook it is.
 With ``gradient_as_bucket_view=True`` on CUDA, the C++ compress hooks cast, send and cast back
 on a side stream, so the backward stream does no more work than with DDP's built-in allreduce.
 
@@ -40,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 import dcomm.ddp._torch_private as private
 from dcomm.core import get_logger, plan_average, resolve_group
 from dcomm.core.native_build import NativeBuildError, built_file, load
-from dcomm.ddp.default_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from dcomm.ddp.default_hooks import bf16_compress_hook, fp16_compress_hook
 
 __all__ = ["NativeBuildError", "load_native_hooks", "native_hooks_available", "register_comm_hook"]
 
@@ -52,9 +53,9 @@ _PREFIX = "dcomm_ddp_native"
 _WHAT = "the C++ DDP hooks"
 _TURN_OFF = "or pass native=False to register the Python hook"
 
-# The hooks that have a C++ twin, and the dtype each sends in (None: the bucket's own).
-_WIRE_DTYPE: dict[Callable[..., Any], torch.dtype | None] = {
-    allreduce_hook: None,
+# The hooks that have a C++ twin, and the dtype each sends in. allreduce_hook has none: its twin
+# was level with the Python hook (docs/design/native-hooks.md, "When it stays").
+_WIRE_DTYPE: dict[Callable[..., Any], torch.dtype] = {
     fp16_compress_hook: torch.float16,
     bf16_compress_hook: torch.bfloat16,
 }
@@ -122,10 +123,11 @@ def register_comm_hook(
     """Register ``hook`` on ``ddp_model``: as a C++ hook where every rank has one, else the Python hook.
 
     ``ddp_model.register_comm_hook(state, hook)`` with the C++ fast path: for dcomm's
-    ``allreduce_hook``, ``fp16_compress_hook`` and ``bf16_compress_hook`` (with a ProcessGroup or
-    None as the state) and the ZeRO overlap hooks, DDP's reducer runs a C++ hook with the same
-    arithmetic (bit-identical gradients) instead of calling Python per bucket. Any other hook
-    (PowerSGD, post-local SGD, your own) is registered as the Python hook, returning "python".
+    ``fp16_compress_hook`` and ``bf16_compress_hook`` (with a ProcessGroup or None as the state)
+    and the ZeRO overlap hooks, DDP's reducer runs a C++ hook with the same arithmetic
+    (bit-identical gradients) instead of calling Python per bucket. Any other hook
+    (``allreduce_hook``, PowerSGD, post-local SGD, your own) is registered as the Python hook,
+    returning "python", with no build and no collective.
     The ranks of ``ddp_model``'s process group agree in one collective, so every rank takes the
     same path; rank 0 logs it. Call it on every rank, before the first backward, instead of
     ``ddp_model.register_comm_hook``.

@@ -145,9 +145,9 @@ slowest rank, with a 95% bootstrap interval (2,000 draws). Below 1.0 the first v
 An **A/A control** (the reference built twice and timed against itself) shows the noise floor of
 each case: a difference inside the A/A interval is not a difference. `dcomm ms` and `torch ms` are
 median step times, `MiB` the peak memory a variant adds. Models: a 16-layer MLP (`mlp-deep`), a
-GPT-shaped transformer (149 tensors), a ResNet-shaped CNN (110 tensors), and two models no code was
-tuned on: a Llama-shaped model (86 tensors, tied head) and a 48-layer GPT (`gpt-deep`, 581
-tensors). NVLink multicast (NVLS) is off; `fast` is NVLink, `slow` sockets only."""
+GPT-shaped transformer (149 tensors), a ResNet-shaped CNN (110 tensors), the demo's byte-level GPT
+(`demo-lm`), and two models no code was tuned on: a Llama-shaped model (86 tensors, tied head) and
+a 48-layer GPT (`gpt-deep`, 581 tensors). NVLink multicast (NVLS) is off; `fast` is NVLink, `slow` sockets only."""
 
 
 def _aa_controls(run: dict[str, Any]) -> str:

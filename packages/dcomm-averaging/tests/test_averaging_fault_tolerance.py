@@ -212,6 +212,12 @@ def test_without_torchft_the_manager_path_names_the_extra(monkeypatch: pytest.Mo
 # -- failures: the survivors equal DiLoCo in which the dead replica leaves at that sync ---------
 
 
+def _fp64_cfg(sync_every: int, steps: int, **overrides: Any) -> dict[str, Any]:
+    """A replica's settings for the failure tests: fp64, one fragment, no compression, no init_sync."""
+    cfg = {"sync_every": sync_every, "fragments": 1, "delay": 0, "compression": None, "init_sync": False}
+    return cfg | {"steps": steps, "dtype": torch.float64} | overrides
+
+
 def _reference(
     sync_every: int,
     delay: int,
@@ -312,16 +318,7 @@ def test_survivors_lose_no_step_when_a_replica_dies(
     delay: int, how: str, when: int, contributors: dict[int, list[int]], backend: str, tmp_path: Path
 ) -> None:
     sync_every, steps = 3, 15
-    cfg = {
-        "sync_every": sync_every,
-        "fragments": 1,
-        "delay": delay,
-        "compression": None,
-        "init_sync": False,
-        "steps": steps,
-        "dtype": torch.float64,
-        "backend": backend,
-    }
+    cfg = _fp64_cfg(sync_every, steps, delay=delay, backend=backend)
     ours = _run_replicas(_diloco_replica, [cfg, cfg, {**cfg, how: when}], tmp_path)
     assert sorted(ours) == [0, 1], "replica 2 should have died, the survivors finished"
     reference = _reference(sync_every, delay, steps, contributors)
@@ -340,16 +337,7 @@ def test_survivors_lose_no_step_when_a_replica_dies(
 def test_one_replica_on_torchft_nccl_equals_diloco(tmp_path: Path) -> None:
     """The manager path on torchft's NCCL group and a GPU model: what one GPU can check."""
     sync_every, steps = 3, 9
-    cfg = {
-        "sync_every": sync_every,
-        "fragments": 1,
-        "delay": 0,
-        "compression": None,
-        "init_sync": False,
-        "steps": steps,
-        "dtype": torch.float64,
-        "backend": "nccl",
-    }
+    cfg = _fp64_cfg(sync_every, steps, backend="nccl")
     ours = _run_replicas(_diloco_replica, [cfg], tmp_path)
     assert sorted(ours) == [0]
     expected = reference(1, torch.float64, sync_every, 1, 0, 0.0, steps)
@@ -360,15 +348,7 @@ def test_one_replica_on_torchft_nccl_equals_diloco(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_a_restarted_replica_heals_and_takes_part(tmp_path: Path) -> None:
     sync_every, steps = 3, 24
-    cfg = {
-        "sync_every": sync_every,
-        "fragments": 1,
-        "delay": 0,
-        "compression": None,
-        "init_sync": False,
-        "steps": steps,
-        "dtype": torch.float64,
-    }
+    cfg = _fp64_cfg(sync_every, steps)
     survivor = {**cfg, "wait_at_step": 13}  # the restarted replica joins at sync 5 or later, before the end
     dying = {**cfg, "die_after_quorum": 3}
     ours = _run_replicas(

@@ -93,7 +93,8 @@ SECTIONS = (
         "allreduce (`dcomm/reference`) and torch's hook of the same name (`dcomm/torch`). "
         "`C++ vs python`: the same dcomm hook registered with `dcomm.ddp.register_comm_hook(..., "
         "native=True)` against `native=False`; `python`: dcomm's Python hook against torch's. With one "
-        "rank no bytes move, so this measures what each path adds to the step.",
+        "rank no bytes move, so this measures what each path adds to the step. `allreduce_hook`'s C++ "
+        "twin, level with its Python hook here, has since been removed.",
     ),
     Section(
         "bench-cpu-gloo-ddp-native.json",

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from tools.bench import __doc__ as bench_doc
 from tools.bench.ab import CaseResult, Policy, VariantResult, keep_variants, run_case, with_control
 from tools.bench.cases import CASES, PER_RUN_CASES, PER_WORKLOAD_CASES, Context
+from tools.bench.cases.common import DEFAULT_SYNC_EVERY
 from tools.bench.report import table_lines
 from tools.bench.timing import Bench, release_memory
 from tools.bench.workloads import PRECISIONS, WORKLOADS, set_tf32
@@ -63,7 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--steps", type=int, default=None, help="steps per variant per round (default 3; post-local SGD: periods of 4)"
     )
     parser.add_argument(
-        "--sync-every", type=int, default=8, help="DiLoCo's H: inner steps per sync (default 8; a round is one period)"
+        "--sync-every",
+        type=int,
+        default=DEFAULT_SYNC_EVERY,
+        help=f"DiLoCo's H: inner steps per sync (default {DEFAULT_SYNC_EVERY}; a round is one period)",
     )
     parser.add_argument("--min-rounds", type=int, default=None, help="rounds per case at least")
     parser.add_argument("--max-rounds", type=int, default=None, help="rounds per case at most")
@@ -137,7 +141,7 @@ def run_one(
     precision: str,
     variants: Sequence[str] = (),
     control: bool = False,
-    sync_every: int = 8,
+    sync_every: int = DEFAULT_SYNC_EVERY,
 ) -> CaseResult:
     """One case on one workload and precision; a failure outside its variants becomes an error.
 

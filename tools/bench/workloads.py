@@ -333,6 +333,8 @@ class CNNWorkload:
 
 Workload = MLPWorkload | TransformerWorkload | LlamaWorkload | CNNWorkload
 
+_DEMO_LM_LARGE = TransformerWorkload("demo-lm", vocab=256, tokens=256, width=384, layers=6, heads=6, batch=32)
+
 WORKLOADS: dict[str, dict[str, Workload]] = {
     "mlp-wide": {
         # 4 x 8192^2: 268M parameters, 1 GiB of fp32 gradients in 4 buckets of 256 MiB.
@@ -371,8 +373,8 @@ WORKLOADS: dict[str, dict[str, Workload]] = {
     },
     "demo-lm": {
         # tools/demo_lm's TinyGPT: 256 byte tokens, no output bias; small is the demo's default model.
-        "large": TransformerWorkload("demo-lm", vocab=256, tokens=256, width=384, layers=6, heads=6, batch=32),
-        "large-slow": TransformerWorkload("demo-lm", vocab=256, tokens=256, width=384, layers=6, heads=6, batch=32),
+        "large": _DEMO_LM_LARGE,
+        "large-slow": _DEMO_LM_LARGE,  # no smaller one: the demo runs this size on either link
         "small": TransformerWorkload("demo-lm", vocab=256, tokens=64, width=64, layers=2, heads=4, batch=8),
     },
     "cnn": {

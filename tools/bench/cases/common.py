@@ -21,10 +21,13 @@ from tools.bench.timing import Bench, Step
 from tools.bench.workloads import Workload, precision_scope
 from tools.impls import IMPLS
 
-__all__ = ["LR", "Context", "add_versions", "impl_pairs", "sgd_variant", "train_step"]
+__all__ = ["DEFAULT_SYNC_EVERY", "LR", "Context", "add_versions", "impl_pairs", "sgd_variant", "train_step"]
 
 LR = 1e-6
 """Small enough that hundreds of steps on random data never overflow fp16 gradients."""
+
+DEFAULT_SYNC_EVERY = 8
+"""DiLoCo's H in the DiLoCo case unless ``--sync-every`` says otherwise."""
 
 
 @dataclass
@@ -34,7 +37,7 @@ class Context:
     bench: Bench
     workload: Workload
     precision: str
-    sync_every: int = 8
+    sync_every: int = DEFAULT_SYNC_EVERY
     """Inner steps per sync of the DiLoCo variants (DiLoCo's H; ``--sync-every``)."""
 
     @property

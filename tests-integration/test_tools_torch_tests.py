@@ -52,6 +52,7 @@ TORCH_STYLE_TEST = textwrap.dedent(
         grads = [torch.zeros_like(model.module.weight.grad) for _ in range(world_size)]
         dist.all_gather(grads, model.module.weight.grad)
         assert all(torch.equal(grads[0], grad) for grad in grads)
+        del model  # before the group goes: a DDP freed after it can hang the exit on gloo
         dist.destroy_process_group()
 
 

@@ -93,3 +93,27 @@ def test_messages_name_the_rank_and_what_differs() -> None:
     kind, message = disagreement([(None, two), (problem, None), (problem, None)])  # type: ignore[misc]
     assert kind is TypeError
     assert message.endswith("(found on ranks [1, 2]; every rank of the group raises this error)")
+
+
+def _gpu0_current_on_every_rank(rank: int, world: int) -> tuple[list[float], str]:
+    # torch's own distributed tests never call torch.cuda.set_device: GPU 0 is current on every
+    # rank while rank r's parameters are on GPU r. The agreement must go through GPU r.
+    torch.cuda.set_device(0)
+    mine = torch.device("cuda", rank)
+    params = [torch.nn.Parameter(torch.full((5,), float(rank), device=mine)) for _ in range(2)]
+    average_parameters(params)  # the first call on these parameters agrees them across the ranks
+    message = "no error"
+    try:
+        average_parameters(params[:1] if rank == world - 1 else params)
+    except ValueError as error:
+        message = str(error)
+    return params[1].tolist(), message
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_agreement_on_nccl_uses_the_parameters_gpu_not_the_current_one() -> None:
+    results = run_ranks(_gpu0_current_on_every_rank, 2, backend="nccl", timeout=120)
+    assert [values for values, _ in results] == [[0.5] * 5] * 2
+    (message,) = {message for _, message in results}  # the same on every rank
+    assert "params: rank 1 passed 1 parameter" in message, results

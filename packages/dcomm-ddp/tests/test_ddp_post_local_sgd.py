@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as torch_plsgd
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dcomm.ddp import PostLocalSGDState, post_localSGD_hook
 from dcomm_testing import (
@@ -280,3 +281,32 @@ def test_construction_without_process_group_defers_subgroups() -> None:
     # No default group yet: nothing is built until the first local step.
     assert not dist.is_initialized()
     assert PostLocalSGDState(None, None, 3).subgroup is None
+
+
+def _gpu0_current_on_every_rank(rank: int, world: int) -> list[bool]:
+    # As torch's own tests run: GPU 0 current on every rank, rank r's model on GPU r. Building the
+    # node subgroups (at construction, or in the hook) must agree through GPU r.
+    torch.cuda.set_device(0)
+    eager = PostLocalSGDState(None, None, 2)
+    lazy = PostLocalSGDState(None, None, 2, post_local_gradient_allreduce=False)
+    lazy.post_local_gradient_allreduce = True  # its subgroups are built in the hook, at step 2
+    same = []
+    for state in (eager, lazy):
+        module = torch.nn.Linear(1, 5).to(rank)
+        hooked = DDP(copy.deepcopy(module), device_ids=[rank])
+        hooked.register_comm_hook(state, post_localSGD_hook)
+        plain = DDP(copy.deepcopy(module), device_ids=[rank])
+        for _ in range(4):
+            batch = torch.tensor([float(rank)], device=rank)
+            for model in (hooked, plain):
+                model.zero_grad()
+                model(batch).sum().backward()
+            same.append(torch.equal(hooked.module.weight.grad, plain.module.weight.grad))
+        same.append(dist.get_process_group_ranks(state.subgroup) == list(range(world)))
+    return same
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_subgroups_on_nccl_agree_through_the_models_gpu_not_the_current_one() -> None:
+    assert run_ranks(_gpu0_current_on_every_rank, 2, backend="nccl", timeout=120) == [[True] * 10] * 2

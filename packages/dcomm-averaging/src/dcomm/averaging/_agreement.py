@@ -22,7 +22,10 @@ import collections
 import weakref
 from typing import Any, NamedTuple
 
+import torch
 import torch.distributed as dist
+
+from dcomm.core import gather_objects
 
 __all__ = ["AgreedSignatures", "CallSignature", "Problem", "agree", "disagreement"]
 
@@ -145,13 +148,17 @@ def disagreement(gathered: list[tuple[Problem | None, CallSignature | None]]) ->
     return ValueError, f"params: rank {odd[0]} passed {mine} where {_ranks(agreeing)} passed {theirs}{others}; {_FIX}"
 
 
-def agree(group: dist.ProcessGroup, problem: Problem | None, signature: CallSignature | None) -> None:
+def agree(
+    group: dist.ProcessGroup, problem: Problem | None, signature: CallSignature | None, device: torch.device | None
+) -> None:
     """Gather every rank's ``(problem, signature)`` in one collective; raise on every rank if they differ.
 
     Args:
         group: the call's process group (this rank is a member).
         problem: what this rank cannot average, or None.
         signature: this rank's call signature (None where ``problem`` is set).
+        device: the device of this rank's parameters, which the gather goes through (see
+            :func:`dcomm.core.gather_objects`).
 
     Raises:
         ValueError: a rank found a problem with a parameter, or the ranks passed different
@@ -160,11 +167,9 @@ def agree(group: dist.ProcessGroup, problem: Problem | None, signature: CallSign
 
     Example::
 
-        >>> agree(dist.group.WORLD, None, signature)  # every rank calls it  # doctest: +SKIP
+        >>> agree(dist.group.WORLD, None, signature, params[0].device)  # every rank calls it  # doctest: +SKIP
     """
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (problem, signature), group=group)
-    found = disagreement(gathered)
+    found = disagreement(gather_objects((problem, signature), group, device))
     if found is not None:
         kind, message = found
         raise kind(message)

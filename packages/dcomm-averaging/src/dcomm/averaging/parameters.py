@@ -29,7 +29,7 @@ import torch.distributed as dist
 from dcomm.averaging._agreement import AgreedSignatures, CallSignature, Problem, agree
 from dcomm.averaging._buckets import DevicePlan, Piece, average_device, plan_device
 from dcomm.averaging._layout import memory_order_view
-from dcomm.core import plan_average, reduced_by_nccl, resolve_group
+from dcomm.core import plan_average, rank_device, reduced_by_nccl, resolve_group
 from dcomm.core.validation import positive_number
 
 __all__ = [
@@ -173,9 +173,15 @@ def _numels(params: list[torch.Tensor], pieces: tuple[Piece, ...]) -> tuple[int,
     return tuple(params[p.param].numel() if p.length < 0 else p.length for p in pieces)
 
 
-def _fail_together(group: dist.ProcessGroup, problem: Problem) -> NoReturn:
+def _agreement_device(params: list[torch.Tensor], group: dist.ProcessGroup) -> torch.device | None:
+    """The device the ranks' agreement goes through: this rank's first GPU parameter's, else the group's."""
+    gpus = (p.device for p in params if isinstance(p, torch.Tensor) and p.device.type == "cuda")
+    return next(gpus, None) or rank_device(group)
+
+
+def _fail_together(params: list[torch.Tensor], group: dist.ProcessGroup, problem: Problem) -> NoReturn:
     """Raise ``problem`` on every rank of ``group`` (the peers learn of it in their check)."""
-    agree(group, problem, None)
+    agree(group, problem, None, _agreement_device(params, group))
     raise AssertionError("agree raises where a rank has a problem")
 
 
@@ -184,18 +190,18 @@ def _plan_for(params: list[torch.Tensor], group: dist.ProcessGroup, bucket_cap_m
     try:
         cap_bytes = check_bucket_cap_mb(bucket_cap_mb) * 2**20
     except (TypeError, ValueError) as error:
-        _fail_together(group, Problem(type(error).__name__, str(error)))
+        _fail_together(params, group, Problem(type(error).__name__, str(error)))
     key = _plan_key(params, cap_bytes)
     plans = _PLANS.setdefault(group, collections.OrderedDict())
     plan = plans.get(key) if key is not None else None
     if plan is None:
         made = _make_plan(params, group, cap_bytes)
         if isinstance(made, Problem):
-            _fail_together(group, made)
+            _fail_together(params, group, made)
         plan = made
     # Looked up on every call, so that every rank keeps (and drops) the same agreed signatures.
     if not _AGREED.contains(group, plan.signature):
-        agree(group, None, plan.signature)
+        agree(group, None, plan.signature, _agreement_device(params, group))
         _AGREED.add(group, plan.signature)
     if key is not None:
         plans[key] = plan

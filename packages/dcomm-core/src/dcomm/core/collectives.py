@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ __all__ = [
     "all_gather_single",
     "completed_future",
     "allreduce_future",
+    "gather_objects",
+    "rank_device",
     "reduced_by_nccl",
     "group_size",
     "member_size",
@@ -56,6 +59,55 @@ def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     world = dist.group.WORLD
     assert world is not None
     return world
+
+
+def rank_device(group: dist.ProcessGroup) -> torch.device | None:
+    """The GPU this rank's NCCL collectives on ``group`` go through when no tensor names one; None off NCCL.
+
+    The group's bound device (``init_process_group(device_id=...)``) where it has one, else GPU
+    ``rank % device_count``: the GPU torch's own NCCL ``barrier`` picks for a rank in that case.
+    It is the GPU of local rank ``r`` when every node runs one rank per GPU, as torchrun does.
+
+    Example::
+
+        >>> rank_device(dist.group.WORLD)  # rank 3 of an NCCL job with 2 GPUs per host  # doctest: +SKIP
+        device(type='cuda', index=1)
+    """
+    if "nccl" not in str(dist.get_backend(group)) or not torch.cuda.is_available():
+        return None
+    bound = getattr(group, "bound_device_id", None)
+    if bound is not None:
+        return torch.device(bound)
+    return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+
+
+def gather_objects(obj: Any, group: dist.ProcessGroup, device: torch.device | None) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in the rank order of ``group``, sent through ``device``.
+
+    ``dist.all_gather_object`` sends its bytes through the current CUDA device on NCCL. A job that
+    never called ``torch.cuda.set_device`` (torch's own tests do not) has GPU 0 current on every
+    rank, and NCCL refuses two ranks on one GPU; with ``device`` current for the gather, each rank
+    uses the GPU its tensors for the call are on.
+
+    Args:
+        obj: this rank's object.
+        group: the group to gather over (this rank is a member).
+        device: the device of this rank's tensors for the call (a CUDA device on NCCL), or None
+            to keep the current device.
+
+    Returns:
+        One object per rank of ``group``.
+
+    Example::
+
+        >>> gather_objects(("host-a", 4), dist.group.WORLD, params[0].device)  # doctest: +SKIP
+        [('host-a', 4), ('host-a', 4)]
+    """
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    on_device = torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
+    with on_device:
+        dist.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

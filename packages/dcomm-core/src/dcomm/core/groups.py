@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from dcomm.core.collectives import resolve_group
+from dcomm.core.collectives import gather_objects, resolve_group
 from dcomm.core.validation import positive_int
 
 __all__ = ["host_identity", "intra_node_subgroups", "node_layout", "subgroups_of_size"]
@@ -141,7 +141,9 @@ def _hosts(entries: list[tuple[int, str, int | str | None]]) -> dict[str, list[i
     return hosts
 
 
-def node_layout(group: dist.ProcessGroup | None = None, *, host_id: str | None = None) -> list[list[int]]:
+def node_layout(
+    group: dist.ProcessGroup | None = None, *, host_id: str | None = None, device: torch.device | None = None
+) -> list[list[int]]:
     """The global ranks of each node of ``group`` (WORLD when None), agreed by all its ranks.
 
     Collective over ``group``: every rank contributes its host (``host_id``, by default
@@ -155,6 +157,8 @@ def node_layout(group: dist.ProcessGroup | None = None, *, host_id: str | None =
     Args:
         group: the group whose ranks are laid out (WORLD when None).
         host_id: this rank's host (default :func:`host_identity`).
+        device: the device this rank's tensors for ``group`` are on (its GPU on NCCL), which the
+            agreement goes through; None keeps the current device.
 
     Returns:
         The global ranks of each node, in order.
@@ -170,8 +174,7 @@ def node_layout(group: dist.ProcessGroup | None = None, *, host_id: str | None =
     parent = resolve_group(group)
     ranks = dist.get_process_group_ranks(parent)
     mine = (host_id if host_id is not None else host_identity(), _declared_local_size())
-    gathered: list[Any] = [None] * len(ranks)
-    dist.all_gather_object(gathered, mine, group=parent)
+    gathered = gather_objects(mine, parent, device)
     entries = [(rank, host, size) for rank, (host, size) in zip(ranks, gathered, strict=True)]
     problem = _layout_problem(entries)
     if problem is not None:
@@ -185,7 +188,7 @@ def node_layout(group: dist.ProcessGroup | None = None, *, host_id: str | None =
 
 
 def intra_node_subgroups(
-    group: dist.ProcessGroup | None = None, *, host_id: str | None = None
+    group: dist.ProcessGroup | None = None, *, host_id: str | None = None, device: torch.device | None = None
 ) -> tuple[dist.ProcessGroup | None, list[dist.ProcessGroup]]:
     """One subgroup per node of ``group`` (WORLD when None), as :func:`node_layout` agrees on them.
 
@@ -197,6 +200,7 @@ def intra_node_subgroups(
     Args:
         group: the group to split by node (WORLD when None).
         host_id: this rank's host (default :func:`host_identity`).
+        device: the device this rank's tensors for ``group`` are on (as for :func:`node_layout`).
 
     Returns:
         ``(the subgroup holding this rank, or None outside group; all subgroups)``.
@@ -209,7 +213,7 @@ def intra_node_subgroups(
         >>> mine, per_node = intra_node_subgroups()  # doctest: +SKIP
     """
     parent = resolve_group(group)
-    nodes = node_layout(parent, host_id=host_id)
+    nodes = node_layout(parent, host_id=host_id, device=device)
     if len(nodes) == 1:
         return parent, [parent]
     me = dist.get_rank()

@@ -27,7 +27,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcomm.core import allreduce_future, completed_future, get_logger, intra_node_subgroups, plan_average, resolve_group
+from dcomm.core import (
+    allreduce_future,
+    completed_future,
+    get_logger,
+    intra_node_subgroups,
+    plan_average,
+    rank_device,
+    resolve_group,
+)
 from dcomm.core.validation import boolean, check_state_dict, non_negative_int, process_group_or_none
 
 __all__ = ["PostLocalSGDState", "post_localSGD_hook"]
@@ -103,7 +111,7 @@ class PostLocalSGDState:
         )
         self.iter = 0
         if self.subgroup is None and self.post_local_gradient_allreduce and dist.is_initialized():
-            _local_group(self)
+            _local_group(self, rank_device(resolve_group(None)))
         logger.info("post-local SGD: local SGD starts after %d iterations", self.start_localSGD_iter)
 
     def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
@@ -179,10 +187,10 @@ def _check_foreign_state(state: object) -> None:
         )
 
 
-def _local_group(state: Any) -> dist.ProcessGroup:
-    """``state.subgroup``, building the intra-node subgroups on first use."""
+def _local_group(state: Any, device: torch.device | None) -> dist.ProcessGroup:
+    """``state.subgroup``, building the intra-node subgroups on first use (agreed through ``device``)."""
     if state.subgroup is None:
-        state.subgroup, _ = intra_node_subgroups()
+        state.subgroup, _ = intra_node_subgroups(device=device)
     assert state.subgroup is not None
     return state.subgroup
 
@@ -211,7 +219,7 @@ def post_localSGD_hook(state: PostLocalSGDState, bucket: dist.GradBucket) -> tor
     if not local:
         group = resolve_group(state.process_group)
     elif state.post_local_gradient_allreduce:
-        group = _local_group(state)
+        group = _local_group(state, buffer.device)
     state.maybe_increase_iter(bucket)
     if group is None or group.size() == 1:
         return completed_future(buffer)

@@ -47,6 +47,36 @@ class Section:
 
 SECTIONS = (
     Section(
+        "bench-2gpu-h200.json",
+        "The current code on two GPUs over NVLink",
+        "One lease's runs of the current code, merged (`python -m tools.bench_results merge`). DDP "
+        "training steps (SGD, TF32 and bf16 autocast) with each hook against DDP's built-in allreduce "
+        "(`dcomm/reference`) and torch's hook of the same name (`dcomm/torch`); `C++ vs python`: the "
+        "fp16/bf16 hook registered with `native=True` against `native=False`, `python`: that Python hook "
+        "against torch's. `average_parameters` (five calls per round, once per workload: precision `-`) "
+        "against torch's and against a raw allreduce of the same bytes, `flattened` after "
+        "`flatten_parameters`. ZeRO's `hook_with_zero_step` (`step`) against torch's and against "
+        "non-overlapped ZeRO; `zero/step C++ vs python` measured its C++ twin, level with Python and since "
+        "deleted. int8 and fp8 codes against the built-in and dcomm's bf16 hook, int8 "
+        "against torch's uint8 hook, PowerSGD (rank 4) against torch's; `floor` sends nothing. Post-local "
+        "SGD, DiLoCo (H = 8) against torchft 0.2.0's and `fully_shard` reducing in fp16/bf16 against "
+        "torch's `reduce_dtype`: the last run was cut by its time limit, so DiLoCo and `fully_shard` "
+        "ran on the transformer only. torchft's fp8 DiLoCo failed its quantized allreduce (NCCL error 7, "
+        "the sync skipped) and ended at loss 10.6: `diloco/fp8` is not a like-for-like time. The DDP "
+        "cases ran 5-6 rounds: under bf16 autocast and on `gpt-deep` their A/A intervals are wide.",
+    ),
+    Section(
+        "bench-2gpu-h200-slow-link.json",
+        "The current code on two GPUs over a slow link",
+        "The same two GPUs with NCCL over sockets only (`NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "
+        "NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo`) and the `large-slow` models, TF32. The fp16/bf16 "
+        "hooks halve the bytes and take 0.57-0.61x of the built-in allreduce's step, level with "
+        "torch's; `C++ vs python` as above. int8 and fp8 take 0.49-0.58x of the built-in, 0.84-0.96x "
+        "of dcomm's bf16 hook. `average_parameters` (five calls a step, about 0.3 s) measures "
+        "1.03-1.06x torch's, inside the A/A interval, and 1.05-1.06x a raw allreduce of the same "
+        "bytes, over 5 rounds only.",
+    ),
+    Section(
         "bench-4gpu-h200-zero.json",
         "ZeRO overlap",
         "`hook_with_zero_step` (`step`), `hook_with_zero_step_interleaved` (`interleaved`) and "
@@ -63,7 +93,7 @@ SECTIONS = (
         "a raw allreduce of the same bytes (one flat buffer). `flattened`: the model after "
         "`flatten_parameters`. Measured before `average_parameters` became one plain in-place path "
         "(it replayed CUDA graphs then, and `eager` is that path without them); the current path, "
-        "described in [the design note](design/averaging.md), is to be measured on GPUs. Memory: "
+        "described in [the design note](design/averaging.md), is measured on two GPUs in the first section. Memory: "
         "torch's flattened copy is the model's size, dcomm's staging at most one bucket.",
     ),
     Section(
@@ -152,8 +182,10 @@ a 48-layer GPT (`gpt-deep`, 581 tensors). NVLink multicast (NVLS) is off; `fast`
 
 
 def _aa_controls(run: dict[str, Any]) -> str:
+    several = len({case["case"] for case in run["results"]}) > 1  # a merged run: name each control's case
     controls = [
-        f"{row.workload} {row.precision}: {ratio.ratio:.2f} ({ratio.low:.2f}-{ratio.high:.2f})".replace(" -:", ":")
+        (f"{row.label.removesuffix('/A-A')} " if several else "")
+        + f"{row.workload} {row.precision}: {ratio.ratio:.2f} ({ratio.low:.2f}-{ratio.high:.2f})".replace(" -:", ":")
         for row in rows_of(run)
         for ratio in row.vs_reference
         if row.label.endswith("A-A") and ratio.ratio is not None and ratio.low is not None and ratio.high is not None

@@ -4,21 +4,32 @@ A row (``ddp/fp16`` on ``transformer`` in ``bf16-autocast``) has a dcomm/torch r
 more dcomm/reference ratios, each with its 95% interval; :func:`rows_of` collects them, for
 the chart (:mod:`tools.bench_chart`) and the Markdown table (:mod:`tools.bench_table`).
 
+Runs of one setup (device, world size, backend, link, torch) kept in one file: :func:`merge`
+puts several runs' cases under one header, as ``python -m tools.bench_results merge``.
+
 Example::
 
     >>> rows = rows_of(json.load(open("bench-4gpu-fast.json")))  # doctest: +SKIP
     >>> rows[0].label, rows[0].vs_torch.ratio  # doctest: +SKIP
     ('averaging', 0.98)
+
+    python -m tools.bench_results merge tools/results/bench-2gpu-h200.json ddp.json averaging.json
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Ratio", "ResultRow", "load", "rows_of", "setup_of"]
+__all__ = ["SETUP", "Ratio", "ResultRow", "load", "main", "merge", "rows_of", "setup_of"]
+
+SETUP = ("device", "world_size", "backend", "link", "torch", "size")
+"""What runs must share to be merged into one file."""
 
 
 @dataclass(frozen=True)
@@ -83,3 +94,51 @@ def rows_of(run: dict[str, Any]) -> list[ResultRow]:
                 extra = variant.get("peak_extra_bytes")
                 row.extra_mib[name] = None if extra is None else round(extra / 2**20, 1)
     return list(rows.values())
+
+
+def merge(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One run holding the cases of ``runs`` (same :data:`SETUP`, else ValueError), in their order.
+
+    The header is the earliest run's, with the workloads and precisions of all; ``"runs"`` keeps
+    each input's date, policy and number of cases (a merged input's own ``"runs"``). A case
+    (case, workload, precision) in two runs is a ValueError: rows would overwrite each other.
+    """
+    if not runs:
+        raise ValueError("no runs to merge")
+    first = runs[0]
+    for run in runs[1:]:
+        differ = [f"{key} {run.get(key)!r} != {first.get(key)!r}" for key in SETUP if run.get(key) != first.get(key)]
+        if differ:
+            raise ValueError(f"runs of different setups: {', '.join(differ)}")
+    results = [case for run in runs for case in run["results"]]
+    keys = [(case["case"], case["workload"], case["precision"]) for case in results]
+    if len(set(keys)) < len(keys):
+        twice = sorted({" ".join(key) for key in keys if keys.count(key) > 1})
+        raise ValueError(f"cases in more than one run: {', '.join(twice)}")
+    merged = {key: value for key, value in min(runs, key=lambda run: run["date"]).items() if key != "policy"}
+    merged["workloads"] = {name: spec for run in runs for name, spec in run["workloads"].items()}
+    merged["precisions"] = list(dict.fromkeys(p for run in runs for p in run["precisions"]))
+    own = [{"date": run["date"], "policy": run.get("policy"), "cases": len(run["results"])} for run in runs]
+    merged["runs"] = [entry for run, mine in zip(runs, own, strict=True) for entry in run.get("runs", [mine])]
+    merged["results"] = results
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Merge benchmark JSON files of one setup into one.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    merging = commands.add_parser("merge", help="write OUT with the cases of every IN (same setup)")
+    merging.add_argument("out", help="the merged JSON file to write")
+    merging.add_argument("inputs", nargs="+", help="JSON files from python -m tools.bench --json")
+    args = parser.parse_args(argv)
+    try:
+        merged = merge([load(path) for path in args.inputs])
+    except ValueError as exc:
+        parser.error(str(exc))
+    Path(args.out).write_text(json.dumps(merged, indent=2) + "\n")
+    print(f"{args.out}: {len(merged['results'])} cases from {len(args.inputs)} runs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -44,7 +44,7 @@ EXPECTED_ROWS = {
     "post-local-sgd": {"post-local-sgd/periodic", "post-local-sgd/hierarchical"},
     "zero": {"zero/bound", "zero/step", "zero/interleaved", "zero/step+rs", "zero/interleaved+rs"}
     | {f"zero/{hook}{rs}+gather_during_forward" for hook in ("step", "interleaved") for rs in ("", "+rs")}
-    | {"zero/step fused-adam", "zero/step+rs fused-adam"}
+    | {"zero/step C++ vs python", "zero/step+rs C++ vs python", "zero/step fused-adam", "zero/step+rs fused-adam"}
     | {"zero/step fused local step", "zero/step+rs fused local step"},
     "fsdp": {"fsdp/reduce_scatter", "fsdp/fp16", "fsdp/bf16", "fsdp/allreduce"},
     "fully_shard": {"fully_shard/fp16", "fully_shard/bf16"},

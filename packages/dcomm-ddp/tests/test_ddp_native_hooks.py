@@ -1,8 +1,8 @@
 """The C++ fast path: ``dcomm.ddp.register_comm_hook``, the C++ hooks it registers, and their build.
 
 ``register_comm_hook(ddp, state, hook, native=True)`` puts a C++ hook on DDP's reducer for
-``fp16_compress_hook`` and ``bf16_compress_hook``; ``native=False``, and any other hook
-(``allreduce_hook`` and the ZeRO overlap hooks among them), registers the Python hook. Both must give
+``fp16_compress_hook`` and ``bf16_compress_hook`` (and the ZeRO overlap hooks); ``native=False``,
+and any other hook (``allreduce_hook`` among them), registers the Python hook. Both must give
 torch's parameters, bit for bit, the C++ path must not enter the Python hook for a dense real
 bucket, and every rank must take the same path.
 """
@@ -167,14 +167,11 @@ def _one_rank_cannot_build(rank: int, world: int) -> list[str]:
         assert "native=None" in message, message
         if rank == 1:  # the rank that knows why names the cause and the fix
             assert "no C++ compiler ('c++' not found); install g++ or set CXX" in message, message
-    # Hooks without a C++ twin: the Python hook, without a collective (native=True would raise
-    # on every rank if the ranks agreed, since rank 1 cannot build).
+    # Hooks without a C++ twin: the Python hook, without a collective (rank 1 would be alone in it).
     state = dcomm.ddp.PostLocalSGDState(None, None, start_localSGD_iter=10)
     for hook, hook_state in ((dcomm.ddp.post_localSGD_hook, state), (allreduce_hook, None)):
         ddp = DDP(seeded_mlp(6, 3), bucket_cap_mb_list=BUCKET_CAPS)
         paths.append(register_comm_hook(ddp, hook_state, hook, native=True, _load=load))
-    ddp = DDP(seeded_mlp(6, 3), bucket_cap_mb_list=BUCKET_CAPS)
-    paths.append(register_comm_hook(ddp, None, _zero_hook(ddp, dcomm.ddp.hook_with_zero_step), native=True, _load=load))
     return paths
 
 
@@ -182,7 +179,7 @@ def _one_rank_cannot_build(rank: int, world: int) -> list[str]:
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_rank_takes_the_same_path_when_one_rank_cannot_build(world: int) -> None:
-    assert run_ranks(_one_rank_cannot_build, world, timeout=240) == [["python"] * 5] * world
+    assert run_ranks(_one_rank_cannot_build, world, timeout=240) == [["python"] * 4] * world
 
 
 def _bad_arguments(rank: int, world: int) -> None:
@@ -308,15 +305,7 @@ def test_the_build_command_exits_0_with_the_cache_and_1_with_the_cause(tmp_path:
     assert "the C++ DDP hooks cannot be built: no C++ compiler ('no-such-c++' not found); install g++" in done.stderr
 
 
-# -- ZeRO overlap: the Python hook -----------------------------------------------------------------
-
-
-def _zero_hook(ddp: DDP, builder: Callable, inner: Callable = allreduce_hook, **options: object) -> Callable:
-    """A ZeRO overlap hook (``builder``) over ``inner`` for ``ddp``, with its ZeroRedundancyOptimizer (Adam)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.01)
-    return builder(inner, ddp, zero, **options)
+# -- ZeRO overlap in C++ ----------------------------------------------------------------------------
 
 
 def _counting(launch: Callable, counted: list[int]) -> Callable:
@@ -327,51 +316,82 @@ def _counting(launch: Callable, counted: list[int]) -> Callable:
     return counting
 
 
-def _no_build() -> ModuleType:
-    raise AssertionError("register_comm_hook built or loaded the C++ hooks for a hook without a C++ twin")
+def _zero_overlap_in_cpp(rank: int, world: int) -> None:
+    # hook_with_zero_step's ZeRO overlap step: once DDP settled its buckets, the C++ hook averages every bucket
+    # (or, with reduce_scatter=True, fills the shards and reduce-scatters each once complete) and
+    # calls the driver once per backward. Same parameters, bit for bit, as the Python hook (itself
+    # tested against non-overlapped ZeRO in test_ddp_zero_overlap.py).
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
-
-def _zero_overlap_in_python(rank: int, world: int) -> None:
-    # The ZeRO overlap hooks have no C++ twin (it measured level with the Python hook): whatever
-    # native says, register_comm_hook registers the Python hook, with no build and no collective,
-    # and the driver runs at every bucket of every step, also once DDP settled its buckets.
-    from dcomm.ddp import hook_with_zero_step, hook_with_zero_step_interleaved
+    from dcomm.ddp import hook_with_zero_step, hook_with_zero_step_interleaved, wait_for_parameters
     from dcomm.ddp._zero.checks import HOOK_MARK
 
+    sharded = {"reduce_scatter": True}
     cases = [
-        (hook_with_zero_step, allreduce_hook, {}),
-        (hook_with_zero_step, torch_hooks.allreduce_hook, {}),
-        (hook_with_zero_step_interleaved, allreduce_hook, {}),
-        (hook_with_zero_step, allreduce_hook, {"reduce_scatter": True}),
-        (hook_with_zero_step, bf16_compress_hook, {"reduce_scatter": True}),
+        (hook_with_zero_step, allreduce_hook, {}, {}),
+        (hook_with_zero_step, torch_hooks.allreduce_hook, {}, {}),
+        (hook_with_zero_step_interleaved, allreduce_hook, {}, {}),  # steps per bucket: stays in Python
+        (hook_with_zero_step, allreduce_hook, {}, {"find_unused_parameters": True}),  # stays in Python
+        (hook_with_zero_step, allreduce_hook, sharded, {}),
+        (hook_with_zero_step, bf16_compress_hook, sharded, {}),  # shards sent in bf16
+        (hook_with_zero_step, fp16_compress_hook, {**sharded, "gather_during_forward": True}, {}),
+        # A bf16 model's shards sent in fp16: cast first, then divided in fp16 (isWide), as in Python.
+        (hook_with_zero_step, fp16_compress_hook, sharded, {"dtype": torch.bfloat16}),
+        (hook_with_zero_step, allreduce_hook, {**sharded, "shard_buckets": True}, {"frozen": True}),  # stays
+        # Gradients accumulated over 2 backward passes into DDP's bucket views: .grad keeps the local sum.
+        (hook_with_zero_step, allreduce_hook, sharded, {"gradient_as_bucket_view": True, "accumulate": 2}),
     ]
-    for builder, inner, options in cases:
-        what = f"{builder.__name__}({inner.__module__}.{inner.__name__}, {options})"
-        for native in (None, True, False):
-            net = seeded_mlp(8, 16, 16, 4, activation=nn.ReLU)
-            ddp = DDP(net, bucket_cap_mb=0.001)
-            hook = _zero_hook(ddp, builder, inner, **options)
-            with recorded_calls(native_hooks, "_ranks_unable", lambda *args: args) as agreements:
-                path = register_comm_hook(ddp, None, hook, native=native, _load=_no_build)
-            assert (path, agreements) == ("python", []), (what, native, path, agreements)
-            counted: list[int] = []
+    for builder, inner, options, ddp_options in cases:
+        what = f"{builder.__name__}({inner.__module__}.{inner.__name__}, {options}, {ddp_options})"
+        results, launches, switches, paths = {}, {}, {}, {}
+        for native in (True, False):
+            dtype = ddp_options.get("dtype", torch.float32)
+            net = seeded_mlp(8, 16, 16, 4, activation=nn.ReLU, dtype=dtype)
+            ddp_kwargs = {k: v for k, v in ddp_options.items() if k not in ("frozen", "accumulate", "dtype")}
+            ddp = DDP(net, bucket_cap_mb=0.001, **ddp_kwargs)
+            # "frozen": the last bias is trained outside ZeRO, so its bucket is also averaged by the
+            # wrapped hook, which needs Python: the C++ hook never takes over.
+            trained = list(net.parameters())[:-1] if ddp_options.get("frozen") else net.parameters()
+            zero = ZeroRedundancyOptimizer(trained, torch.optim.Adam, overlap_with_ddp=True, lr=0.01)
+            hook = builder(inner, ddp, zero, **options)
+            paths[native] = register_comm_hook(ddp, None, hook, native=native)
             driver = getattr(hook, HOOK_MARK)
+            counted: list[int] = []
             driver.launch = _counting(driver.launch, counted)
             per_step = []
-            for step in range(4):
-                ddp(seeded_batch(rank, step, (6, 8))).square().sum().backward()
+            for step in range(6):
+                if step % ddp_options.get("accumulate", 1) == 0:
+                    zero.zero_grad(set_to_none=True)
+                ddp(seeded_batch(rank, step, (6, 8), dtype=dtype)).float().square().sum().backward()
                 per_step.append(len(counted))
                 counted.clear()
-            # Every bucket, every step: one in DDP's first iteration (its 1 MiB first bucket), then several.
-            assert per_step[0] >= 1, (what, native, per_step)
-            assert all(n >= 2 for n in per_step[1:]), (what, native, per_step)
-            assert_same_on_ranks([p.detach() for p in net.parameters()], what)
+            wait_for_parameters(hook)  # a no-op without gather_during_forward
+            results[native] = [p.detach().clone() for p in net.parameters()]
+            launches[native], switches[native] = per_step, driver.native_switch
+        assert switches[False] is None, what
+        assert paths[False] == "python", what
+        assert all(n >= 1 for n in launches[False]), (what, launches)
+        if ddp_options.get("frozen"):
+            assert paths[True] == "native", what
+            assert not switches[True].on, what  # registered, never switched on
+            assert all(n >= 1 for n in launches[True]), (what, launches)
+        elif "find_unused_parameters" in ddp_options or builder is hook_with_zero_step_interleaved:
+            assert paths[True] == "python", what
+            assert switches[True] is None, what  # registered as a Python hook
+            assert all(n >= 1 for n in launches[True]), (what, launches)
+        else:
+            assert paths[True] == "native", what
+            assert switches[True].on, what
+            assert launches[True][-3:] == [0, 0, 0], (what, launches)
+        assert_close(results[True], results[False], 0.0, what)
+        assert_same_on_ranks(results[True], what)
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
 @pytest.mark.parametrize("world", [2, 3])
-def test_zero_overlap_hooks_register_as_python_with_no_build_and_no_collective(world: int) -> None:
-    run_ranks(_zero_overlap_in_python, world, timeout=240)
+def test_zero_overlap_fused_step_runs_from_cpp(world: int) -> None:
+    run_ranks(_zero_overlap_in_cpp, world, timeout=240)
 
 
 # -- CUDA: the side-stream cast --------------------------------------------------------------------

@@ -11,8 +11,10 @@ reduce-scatter and one all-gather per bucket), and each also with ``gather_durin
 fused-adam`` against ``no overlap fused-adam``); ``dcomm step foreach-adam`` (and ``+rs``) choose
 ``foreach=True``, which keeps dcomm's local step off the fused kernel it uses by default on CUDA
 (rows ``zero/step fused local step``: the default against it). dcomm's hooks are registered with
-``dcomm.ddp.register_comm_hook``, which registers the ZeRO overlap hooks as Python hooks (they
-have no C++ twin: docs/design/native-hooks.md).
+``dcomm.ddp.register_comm_hook(..., native=True)``; ``dcomm step python`` is ``dcomm step`` kept a
+Python hook (``native=False``): the row ``zero/step C++ vs python`` shows what averaging the
+buckets in C++ on DDP's reducer saves; ``dcomm step+rs python`` and its row the same for the
+reduce-scatters of ``reduce_scatter=True``.
 
 Example::
 
@@ -47,15 +49,17 @@ def build_zero(
     overlap: tuple[str, str] | None,
     reduce_scatter: bool = False,
     gather_during_forward: bool = False,
+    python: bool = False,
     fused_adam: bool = False,
     foreach_adam: bool = False,
 ) -> Variant:
     """DDP + ZeroRedundancyOptimizer(Adam); ``overlap = (impl, hook row)`` steps inside backward.
 
     ``gather_during_forward`` (dcomm) lets the next forward wait for each module's parameters.
-    ``fused_adam``: Adam with ``fused=True`` (one kernel per step on CUDA) instead of torch's
-    default foreach Adam; ``foreach_adam``: Adam with ``foreach=True`` chosen, which keeps dcomm's
-    local step on torch's foreach kernels (left unset, it runs the fused one on CUDA).
+    ``python`` (dcomm): register the hook as a Python hook only. ``fused_adam``: Adam with
+    ``fused=True`` (one kernel per step on CUDA) instead of torch's default foreach Adam;
+    ``foreach_adam``: Adam with ``foreach=True`` chosen, which keeps dcomm's local step on torch's
+    foreach kernels (left unset, it runs the fused one on CUDA).
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -72,7 +76,7 @@ def build_zero(
     if gather_during_forward:
         extra["gather_during_forward"] = True
     hook = wrapper(resolve(impl, "allreduce_hook"), ddp, zero, **extra)
-    register_hook(ddp, None, hook, impl)
+    register_hook(ddp, None, hook, impl, python)
     if impl != "dcomm" or not reduce_scatter:
         return Variant(train_step(ctx, ddp, None))
     from dcomm.ddp import fallback_count
@@ -111,11 +115,14 @@ def zero_case(ctx: Context) -> Case:
         case.variants[variant] = functools.partial(build_zero, ctx, ("dcomm", "step"), rs, foreach_adam=True)
         pair = Pair(f"zero/{name} fused local step", f"dcomm {name}", variant, "dcomm/reference")
         case.pairs.append(pair)
-    # Adam with fused=True on both sides, for each step path.
+    # And each step path kept a Python hook (native=False).
     for rs in (False, True):
         name = f"step{'+rs' if rs else ''}"
         fused = functools.partial(build_zero, ctx, ("dcomm", "step"), rs, fused_adam=True)
         case.variants[f"dcomm {name} fused-adam"] = fused
         pair = Pair(f"zero/{name} fused-adam", f"dcomm {name} fused-adam", "no overlap fused-adam", "dcomm/reference")
+        case.pairs.append(pair)
+        case.variants[f"dcomm {name} python"] = functools.partial(build_zero, ctx, ("dcomm", "step"), rs, python=True)
+        pair = Pair(f"zero/{name} C++ vs python", f"dcomm {name}", f"dcomm {name} python", "dcomm/reference")
         case.pairs.append(pair)
     return case

@@ -3,7 +3,7 @@
 ``from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook``
 becomes ``from dcomm.ddp import fp16_compress_hook``; the names, signatures and results are
 torch's, and post-local SGD can be checkpointed. Importing it changes nothing in torch.
-:func:`register_comm_hook` is the explicit C++ fast path for the fp16/bf16 compress hooks.
+:func:`register_comm_hook` is the explicit C++ fast path for the averaging and ZeRO overlap hooks.
 
 Example::
 

@@ -5,9 +5,10 @@ GIL, wrapping the bucket, unwrapping the returned future) costs host time per bu
 built-in hooks avoid it, but ``DistributedDataParallel.register_comm_hook`` takes only Python
 callables. :func:`register_comm_hook` puts a C++ hook with the Python hook's arithmetic on the
 reducer for :func:`~dcomm.ddp.fp16_compress_hook` and :func:`~dcomm.ddp.bf16_compress_hook`
-(bit-identical gradients). Any other hook, :func:`~dcomm.ddp.allreduce_hook` and the ZeRO overlap
-hooks included (their C++ twins measured no faster than the Python hooks), is registered as the
-Python hook it is.
+(bit-identical gradients), and for the ZeRO overlap hooks (:mod:`dcomm.ddp.zero_overlap`: every
+bucket communicated in C++, one Python call per backward pass once DDP has settled its buckets).
+Any other hook, :func:`~dcomm.ddp.allreduce_hook` included (its C++ twin measured no faster than
+the Python hook), is registered as the Python hook it is.
 With ``gradient_as_bucket_view=True`` on CUDA, the C++ compress hooks cast, send and cast back
 on a side stream, so the backward stream does no more work than with DDP's built-in allreduce.
 
@@ -52,9 +53,8 @@ _PREFIX = "dcomm_ddp_native"
 _WHAT = "the C++ DDP hooks"
 _TURN_OFF = "or pass native=False to register the Python hook"
 
-# The hooks that have a C++ twin, and the dtype each sends in. allreduce_hook and the ZeRO overlap
-# hooks have none: their twins were level with the Python hooks (docs/design/native-hooks.md,
-# "When it stays").
+# The hooks that have a C++ twin, and the dtype each sends in. allreduce_hook has none: its twin
+# was level with the Python hook (docs/design/native-hooks.md, "When it stays").
 _WIRE_DTYPE: dict[Callable[..., Any], torch.dtype] = {
     fp16_compress_hook: torch.float16,
     bf16_compress_hook: torch.bfloat16,
@@ -123,11 +123,11 @@ def register_comm_hook(
     """Register ``hook`` on ``ddp_model``: as a C++ hook where every rank has one, else the Python hook.
 
     ``ddp_model.register_comm_hook(state, hook)`` with the C++ fast path: for dcomm's
-    ``fp16_compress_hook`` and ``bf16_compress_hook`` (with a ProcessGroup or None as the state),
-    DDP's reducer runs a C++ hook with the same arithmetic (bit-identical gradients) instead of
-    calling Python per bucket. Any other hook (``allreduce_hook``, the ZeRO overlap hooks,
-    PowerSGD, post-local SGD, your own) is registered as the Python hook, returning "python",
-    with no build and no collective, whatever ``native`` says.
+    ``fp16_compress_hook`` and ``bf16_compress_hook`` (with a ProcessGroup or None as the state)
+    and the ZeRO overlap hooks, DDP's reducer runs a C++ hook with the same arithmetic
+    (bit-identical gradients) instead of calling Python per bucket. Any other hook
+    (``allreduce_hook``, PowerSGD, post-local SGD, your own) is registered as the Python hook,
+    returning "python", with no build and no collective.
     The ranks of ``ddp_model``'s process group agree in one collective, so every rank takes the
     same path; rank 0 logs it. Call it on every rank, before the first backward, instead of
     ``ddp_model.register_comm_hook``.
@@ -194,6 +194,8 @@ def register_comm_hook(
 
 def _has_cpp_twin(hook: Callable[..., Any], state: object) -> bool:
     """Whether a C++ hook can stand for ``hook`` (with this ``state``)."""
+    if _zero_driver(hook) is not None:
+        return True
     try:
         averaging = hook in _WIRE_DTYPE
     except TypeError:  # an unhashable callable
@@ -207,17 +209,32 @@ def _register_in_cpp(
 ) -> None:
     """What ``ddp_model.register_comm_hook`` does, with a C++ hook on the reducer."""
     private.check_comm_hook(ddp_model, hook)
-    group = resolve_group(state)  # type: ignore[arg-type]
-    # A bucket the C++ hook does not handle (sparse) goes to ``hook`` itself.
-    extension.register_average_hook(private.reducer(ddp_model), group, _planner(group, _WIRE_DTYPE[hook]), state, hook)
+    reducer = private.reducer(ddp_model)
+    driver = _zero_driver(hook)
+    if driver is not None:
+        # Registered switched off: it runs the Python hook until the driver switches it on.
+        driver.native_switch = driver.register_in_cpp(extension, reducer, state, hook)
+    else:
+        group = resolve_group(state)  # type: ignore[arg-type]
+        # A bucket the C++ hook does not handle (sparse) goes to ``hook`` itself.
+        extension.register_average_hook(reducer, group, _planner(group, _WIRE_DTYPE[hook]), state, hook)
     private.record_comm_hook(ddp_model, state, hook)
 
 
-def _planner(group: dist.ProcessGroup, wire: torch.dtype) -> Callable[..., tuple[float, Any, Any]]:
+def _zero_driver(hook: object) -> Any | None:
+    """The driver of a ZeRO overlap hook whose buckets a C++ hook can communicate, else None."""
+    from dcomm.ddp._zero.checks import HOOK_MARK
+    from dcomm.ddp._zero.driver import Driver
+
+    driver = getattr(hook, HOOK_MARK, None)
+    return driver if isinstance(driver, Driver) and driver.can_run_in_cpp() else None
+
+
+def _planner(group: dist.ProcessGroup, wire: torch.dtype | None) -> Callable[..., tuple[float, Any, Any]]:
     """For the C++ hook, once per bucket dtype and device: (divisor before the sum, op, dtype sent)."""
 
     def plan_for(dtype: torch.dtype, device: torch.device) -> tuple[float, Any, torch.dtype | None]:
-        sent = None if dtype == wire else wire  # None: a bucket already in the sent dtype, in place
+        sent = None if wire is None or dtype == wire else wire
         plan = _plan(group, dtype, device, in_place=sent is None)
         if plan.post != 1.0:
             raise AssertionError(f"the hooks divide before the sum only, got post={plan.post}")

@@ -23,8 +23,8 @@ What it does beyond torch's ``ddp_zero_hook``:
 
 :func:`hook_with_zero_step` steps once, over every parameter this rank owns, at the last bucket;
 :func:`hook_with_zero_step_interleaved` steps each bucket when the next one arrives. Both give
-the same parameters, bit for bit. How they work (owners, send groups, the checkpoint format) is
-in ``docs/design/zero-overlap.md``.
+the same parameters, bit for bit. How they work (owners, send groups, the C++ path, the checkpoint
+format) is in ``docs/design/zero-overlap.md``.
 
 Example::
 

@@ -17,4 +17,6 @@ Glossary:
   owner has in one bucket; *shard*: one planned bucket packed flat and cut into ``world`` equal
   *slices* (``reduce_scatter=True``).
 - *settled*: DDP has rebuilt its buckets after the first iteration; plans made since are final.
+- *C++ hook*: the hook on DDP's reducer that communicates every bucket once DDP settled and calls
+  the driver at the last bucket only (``hook_with_zero_step``); ``native_switch`` turns it on.
 """

@@ -133,6 +133,9 @@ class Driver:
         self.stream: Any = None
         self.fallbacks = 0  # buckets allreduced instead of reduce-scattered once DDP settled
         self.settled = False  # DDP has rebuilt its buckets: a plan checked since then stays valid
+        # Set when DDP's reducer runs this hook in C++ (dcomm.ddp.native_hooks): switched on, the
+        # C++ hook averages every bucket and calls :meth:`run_last_bucket` once per backward.
+        self.native_switch: Any = None
         self.frozen: dict[int, Any] = {}  # bucket index -> plan, checked after DDP settled
         self.bucket_count = 0  # DDP's buckets in the last backward pass
         # Fix every parameter's owner now, for good: the step can then run from iteration 1.
@@ -148,6 +151,21 @@ class Driver:
         return ddp
 
     # -- what subclasses define -------------------------------------------------------------------
+
+    def can_run_in_cpp(self) -> bool:
+        """Whether a C++ hook can communicate every bucket and leave only the last one to Python.
+
+        Only ``hook_with_zero_step``'s can: the interleaved hook steps at every bucket.
+        """
+        return False
+
+    def register_in_cpp(self, extension: Any, reducer: Any, state: object, python_hook: Hook) -> Any:
+        """Put this driver's C++ hook on DDP's reducer, switched off (it runs ``python_hook``); its switch."""
+        raise NotImplementedError
+
+    def ready_for_cpp(self) -> bool:
+        """Give the C++ hook what it needs once DDP settled; False where it cannot take over."""
+        return True
 
     def launch(self, state: Any, bucket: dist.GradBucket) -> Any:
         raise NotImplementedError
@@ -332,12 +350,51 @@ class Driver:
                 for stale in [i for i in self.plans if i > index]:
                     del self.plans[stale]
             self.wait_gradients()  # before DDP reads any bucket
-            # Every bucket handed over: the subclass's end, then the parameters' wait.
-            self.bucket_count = index + 1
-            self.end_backward()
-            self.finish_after_backward()
+            self._backward_ended(index + 1)
+            if self.native_switch is not None:
+                self._switch_to_cpp()
         return item.fut
+
+    def _backward_ended(self, bucket_count: int) -> None:
+        """At the last bucket, every bucket handed over: the subclass's end, then the parameters' wait."""
+        self.bucket_count = bucket_count
+        self.end_backward()
+        self.finish_after_backward()
 
     def planned_for_good(self) -> bool:
         """Whether DDP has settled and every bucket of the last backward pass has its final plan."""
         return self.settled and sorted(self.frozen) == list(range(self.bucket_count))
+
+    # -- run by DDP's reducer in C++ ------------------------------------------------------------
+
+    def _switch_to_cpp(self) -> None:
+        """Switch the C++ hook on once ``hook_with_zero_step``'s buckets are final: settled, every one planned."""
+        if self.interleaved or self.pending or not self.planned_for_good():
+            return
+        if not self.ready_for_cpp():
+            return
+        if self.stream is not None:
+            # Only the side stream, where the step runs, waits for every bucket; DDP's copies of
+            # the buckets into .grad each follow their own bucket's collective.
+            stream = self.stream
+            self.native_switch.wait_on(stream.stream_id, stream.device_index, stream.device_type)
+        self.native_switch.set(True)
+        if self.rank == 0:
+            logger.info(
+                "ZeRO overlap: DDP's reducer now communicates every bucket in C++ and calls the fused step "
+                "once per backward pass, at its last bucket"
+            )
+
+    def run_last_bucket(self, indices: list[int], averaged: list[torch.Tensor]) -> None:
+        """The fused step, called by the C++ hook at the last bucket with every bucket averaged.
+
+        The C++ hook has ordered the side stream (CUDA) or the host after every bucket's
+        collective; ``averaged[i]`` is bucket ``indices[i]``'s averaged gradient.
+        """
+        self.begin_backward()
+        self.complete_all([self.averaged_item(index, tensor) for index, tensor in zip(indices, averaged, strict=True)])
+        self._backward_ended(len(indices))
+
+    def averaged_item(self, index: int, averaged: torch.Tensor) -> Any:
+        """What :meth:`launch` would have returned for bucket ``index``, already averaged into ``averaged``."""
+        raise NotImplementedError

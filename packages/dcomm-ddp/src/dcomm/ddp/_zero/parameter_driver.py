@@ -136,6 +136,24 @@ class ParameterDriver(Driver):
                 for p in bucket:
                     p.register_hook(_marks_used(self.used, id(p)))
 
+    def can_run_in_cpp(self) -> bool:
+        # The C++ hook averages as _launch does and steps at the last bucket only; which
+        # parameters some rank used it cannot tell.
+        return self.averages_itself and self.used is None and not self.interleaved
+
+    def register_in_cpp(self, extension: Any, reducer: Any, state: object, python_hook: Any) -> Any:
+        return extension.register_average_hook(
+            reducer, self.group, self.plan_for_cpp, state, python_hook, self.run_last_bucket
+        )
+
+    def plan_for_cpp(self, dtype: torch.dtype, device: torch.device) -> tuple[float, Any, None]:
+        """The C++ hook's averaging of a bucket: (divisor before the sum, op, None: in place)."""
+        plan = self._average_plan_for(dtype, device)
+        return plan.pre, plan.op, None
+
+    def averaged_item(self, index: int, averaged: torch.Tensor) -> _Update:
+        return _Update(self.frozen[index], completed_future(averaged), averaged.data_ptr())
+
     # -- planning ---------------------------------------------------------------------------
 
     @torch.no_grad()

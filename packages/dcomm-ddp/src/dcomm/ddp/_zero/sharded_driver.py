@@ -16,6 +16,11 @@ bucket is ever allreduced for ZeRO's sake. Only a real bucket that also holds pa
 that those parameters get averaged gradients); after DDP has settled such a bucket warns once
 and is counted in ``fallbacks`` (see :func:`dcomm.ddp.fallback_count`).
 
+Once DDP has settled its buckets, with ``hook_with_zero_step``, a C++ hook on DDP's reducer takes over (see
+:mod:`dcomm.ddp.native_hooks`): given the pieces of every bucket, it divides them into the shards
+and starts each shard's reduce-scatter itself, and calls :meth:`ShardedDriver.run_scattered` once
+per backward pass, at the last bucket (no Python call per bucket).
+
 ``param.grad`` keeps this rank's local gradient (the averaged slice goes to the optimizer only),
 so gradients accumulated over several backward passes reduce to exactly the sum that a
 non-overlapped ZeRO steps with. With ``hook_with_zero_step`` the slices of every shard are stepped together
@@ -256,6 +261,45 @@ class ShardedDriver(Driver):
 
     def end_backward(self) -> None:
         self.fast_buckets, self.fallback_buckets = self._counting
+
+    # -- run by DDP's reducer in C++ ------------------------------------------------------------
+
+    def can_run_in_cpp(self) -> bool:
+        return not self.interleaved  # the C++ hook steps at the last bucket only
+
+    def register_in_cpp(self, extension: Any, reducer: Any, state: object, python_hook: Any) -> Any:
+        return extension.register_scatter_hook(reducer, self.group, state, python_hook, self.run_scattered)
+
+    def ready_for_cpp(self) -> bool:
+        """Give the C++ hook every bucket's pieces; not where a bucket holds parameters ZeRO does not own.
+
+        Such a bucket is also averaged by the wrapped hook, which stays in Python.
+        """
+        plans = [self.frozen[index] for index in range(self.bucket_count)]
+        if not all(plan.covered for plan in plans):
+            return False
+        shards = [(shard.send, shard.recv, len(shard.params)) for shard in self.layout]
+        buckets = [[(piece.shard.index, piece.count, piece.runs) for piece in plan.pieces] for plan in plans]
+        self.native_switch.set_layout(shards, buckets)
+        return True
+
+    def run_scattered(self, indices: list[int]) -> None:
+        """The fused step, called by the C++ hook at the last bucket with the shards it reduce-scattered.
+
+        The C++ hook has ordered the side stream (CUDA) or the host after every reduce-scatter;
+        ``indices`` are the shards in the order they were sent.
+        """
+        shards = [self.layout[index] for index in indices]
+        self.begin_backward()
+        self._counting = [self.bucket_count, 0]  # every bucket only reduce-scattered
+
+        def step_and_gather() -> None:
+            for shard in shards:
+                self._take_grad(shard)
+            self._step_and_gather(shards)
+
+        self.in_stream(step_and_gather)
+        self._backward_ended(self.bucket_count)
 
     def reset(self) -> None:
         super().reset()

@@ -247,3 +247,25 @@ def _direct_starters(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_direct_reduce_scatter_and_all_gather(world: int) -> None:
     run_ranks(_direct_starters, world)
+
+
+def _gather_and_rank_device(rank: int, world: int, backend: str) -> tuple[list[object], str | None]:
+    from dcomm.core import gather_objects, rank_device
+
+    device = rank_device(dist.group.WORLD)
+    gathered = gather_objects(("rank", rank), dist.group.WORLD, device)
+    return gathered, None if device is None else str(device)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_gather_objects_in_rank_order_and_no_rank_device_off_nccl(world: int) -> None:
+    results = run_ranks(_gather_and_rank_device, world, "gloo")
+    assert results == [([("rank", r) for r in range(world)], None)] * world
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_rank_device_on_nccl_is_the_bound_gpu() -> None:
+    results = run_ranks(_gather_and_rank_device, 2, "nccl", backend="nccl")
+    assert results == [([("rank", r) for r in range(2)], f"cuda:{rank}") for rank in range(2)]

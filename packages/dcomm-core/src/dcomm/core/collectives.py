@@ -73,7 +73,11 @@ def rank_device(group: dist.ProcessGroup) -> torch.device | None:
         >>> rank_device(dist.group.WORLD)  # rank 3 of an NCCL job with 2 GPUs per host  # doctest: +SKIP
         device(type='cuda', index=1)
     """
-    if "nccl" not in str(dist.get_backend(group)) or not torch.cuda.is_available():
+    try:
+        backend = str(dist.get_backend(group))
+    except (RuntimeError, ValueError):  # a group c10d does not know (torchft's, say)
+        return None
+    if "nccl" not in backend or not torch.cuda.is_available():
         return None
     bound = getattr(group, "bound_device_id", None)
     if bound is not None:

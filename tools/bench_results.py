@@ -96,6 +96,10 @@ def rows_of(run: dict[str, Any]) -> list[ResultRow]:
     return list(rows.values())
 
 
+def _summary(run: dict[str, Any]) -> dict[str, Any]:
+    return {"date": run["date"], "policy": run.get("policy"), "cases": len(run["results"])}
+
+
 def merge(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One run holding the cases of ``runs`` (same :data:`SETUP`, else ValueError), in their order.
 
@@ -118,8 +122,7 @@ def merge(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged = {key: value for key, value in min(runs, key=lambda run: run["date"]).items() if key != "policy"}
     merged["workloads"] = {name: spec for run in runs for name, spec in run["workloads"].items()}
     merged["precisions"] = list(dict.fromkeys(p for run in runs for p in run["precisions"]))
-    own = [{"date": run["date"], "policy": run.get("policy"), "cases": len(run["results"])} for run in runs]
-    merged["runs"] = [entry for run, mine in zip(runs, own, strict=True) for entry in run.get("runs", [mine])]
+    merged["runs"] = [entry for run in runs for entry in run.get("runs") or [_summary(run)]]
     merged["results"] = results
     return merged
 

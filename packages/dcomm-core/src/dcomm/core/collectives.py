@@ -73,11 +73,7 @@ def rank_device(group: dist.ProcessGroup) -> torch.device | None:
         >>> rank_device(dist.group.WORLD)  # rank 3 of an NCCL job with 2 GPUs per host  # doctest: +SKIP
         device(type='cuda', index=1)
     """
-    try:
-        backend = str(dist.get_backend(group))
-    except (RuntimeError, ValueError):  # a group c10d does not know (torchft's, say)
-        return None
-    if "nccl" not in backend or not torch.cuda.is_available():
+    if not torch.cuda.is_available() or not reduced_by_nccl(group, torch.device("cuda")):
         return None
     bound = getattr(group, "bound_device_id", None)
     if bound is not None:

@@ -269,3 +269,27 @@ def test_gather_objects_in_rank_order_and_no_rank_device_off_nccl(world: int) ->
 def test_rank_device_on_nccl_is_the_bound_gpu() -> None:
     results = run_ranks(_gather_and_rank_device, 2, "nccl", backend="nccl")
     assert results == [([("rank", r) for r in range(2)], f"cuda:{rank}") for rank in range(2)]
+
+
+def test_rank_device_without_a_bound_gpu_is_the_local_rank_then_the_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Global rank 5 on a host of 4 GPUs, as an NCCL job sees it (the CUDA and backend queries faked)."""
+    from dcomm.core import collectives
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(collectives, "reduced_by_nccl", lambda group, device: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 5)
+    unbound = object()
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert collectives.rank_device(unbound) == torch.device("cuda", 1)  # type: ignore[arg-type]
+    monkeypatch.setenv("LOCAL_RANK", "0")  # torchrun, 1 rank per host of 4 GPUs
+    assert collectives.rank_device(unbound) == torch.device("cuda", 0)  # type: ignore[arg-type]
+    monkeypatch.setenv("LOCAL_RANK", "6")
+    assert collectives.rank_device(unbound) == torch.device("cuda", 2)  # type: ignore[arg-type]
+    monkeypatch.setenv("LOCAL_RANK", "not a number")
+    assert collectives.rank_device(unbound) == torch.device("cuda", 1)  # type: ignore[arg-type]
+
+    class Bound:
+        bound_device_id = torch.device("cuda", 3)
+
+    assert collectives.rank_device(Bound()) == torch.device("cuda", 3)  # type: ignore[arg-type]

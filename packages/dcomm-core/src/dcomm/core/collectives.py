@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -64,13 +65,14 @@ def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
 def rank_device(group: dist.ProcessGroup) -> torch.device | None:
     """The GPU this rank's NCCL collectives on ``group`` go through when no tensor names one; None off NCCL.
 
-    The group's bound device (``init_process_group(device_id=...)``) where it has one, else GPU
-    ``rank % device_count``: the GPU torch's own NCCL ``barrier`` picks for a rank in that case.
-    It is the GPU of local rank ``r`` when every node runs one rank per GPU, as torchrun does.
+    The group's bound device (``init_process_group(device_id=...)``) where it has one; else GPU
+    ``LOCAL_RANK % device_count`` where the launcher sets ``LOCAL_RANK`` (torchrun does: right
+    also when a host runs fewer ranks than it has GPUs); else GPU ``rank % device_count``, the
+    GPU torch's own NCCL ``barrier`` picks for a rank in that case.
 
     Example::
 
-        >>> rank_device(dist.group.WORLD)  # rank 3 of an NCCL job with 2 GPUs per host  # doctest: +SKIP
+        >>> rank_device(dist.group.WORLD)  # local rank 1 of an NCCL job launched by torchrun  # doctest: +SKIP
         device(type='cuda', index=1)
     """
     if not torch.cuda.is_available() or not reduced_by_nccl(group, torch.device("cuda")):
@@ -78,7 +80,9 @@ def rank_device(group: dist.ProcessGroup) -> torch.device | None:
     bound = getattr(group, "bound_device_id", None)
     if bound is not None:
         return torch.device(bound)
-    return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+    local_rank = os.environ.get("LOCAL_RANK", "")
+    index = int(local_rank) if local_rank.isdigit() else dist.get_rank()
+    return torch.device("cuda", index % torch.cuda.device_count())
 
 
 def gather_objects(obj: Any, group: dist.ProcessGroup, device: torch.device | None) -> list[Any]:

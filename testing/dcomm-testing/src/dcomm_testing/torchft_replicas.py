@@ -25,12 +25,15 @@ HEARTBEAT_TIMEOUT_MS = 1000
 """A replica that has not sent a heartbeat for this long is dead to the lighthouse."""
 
 
-def start_lighthouse(min_replicas: int = 1, join_timeout_ms: int = 10000) -> Any:
+def start_lighthouse(min_replicas: int = 1, join_timeout_ms: int = 30000) -> Any:
     """A torchft ``LighthouseServer`` on a free port of localhost; call ``.shutdown()`` when done.
 
     A quorum forms once every replica that sends heartbeats has joined (or ``join_timeout_ms``
     after the first joined, with at least ``min_replicas``): start the replicas' first quorums
-    together (a barrier after the managers exist) to have all of them in it.
+    together (a barrier after the managers exist) to have all of them in it. The default is
+    longer than :func:`make_manager`'s 10 s collective timeout: a survivor whose collective with
+    a dead peer only ends at that timeout still makes the next quorum (with equal timeouts it
+    missed it by milliseconds under load, and healed from a peer).
 
     Example::
 

@@ -35,6 +35,23 @@ def test_foreach_div_and_copy_match_one_tensor_at_a_time(dtype: torch.dtype) -> 
     assert all(torch.equal(t, e) for t, e in zip(targets, expected, strict=True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))],
+)
+def test_foreach_div_rounds_as_tensor_div_on_each_device(dtype: torch.dtype, device: str) -> None:
+    # On CUDA, Tensor.div_ by a Python number multiplies by its reciprocal; the average must keep
+    # torch's bits when its in-place tensors are divided in one kernel.
+    gen = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(shape, generator=gen).to(dtype).to(device) for shape in [(4096, 33), (7,), (3, 5, 11)]]
+    for divisor in (3.0, 6.0, 7.0, 12.0):
+        expected = [t.clone().div_(divisor) for t in tensors]
+        divided = [t.clone() for t in tensors]
+        foreach_div_(divided, divisor)
+        assert all(torch.equal(d, e) for d, e in zip(divided, expected, strict=True)), (dtype, device, divisor)
+
+
 def test_foreach_copy_and_sub_convert_dtypes_as_one_tensor_at_a_time() -> None:
     # DiLoCo's pseudo-gradient: fp32 views of a flat buffer, then the bf16 or fp64 parameters.
     gen = torch.Generator().manual_seed(4)

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from dcomm.core import AveragePlan, foreach_copy_, start_allreduce, views_like
+from dcomm.core import AveragePlan, foreach_copy_, foreach_div_, start_allreduce, views_like
 
 __all__ = ["IN_PLACE_BYTES", "MAX_GROUPED_TENSORS", "DevicePlan", "Piece", "Staging", "average_device", "plan_device"]
 
@@ -231,8 +231,9 @@ def _tensors(params: list[torch.Tensor], pieces: tuple[Piece, ...]) -> list[torc
 def average_device(plan: DevicePlan, params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     """Average one device's parameters over ``group`` as ``plan`` says, in place.
 
-    Divides by ``plan.divisor`` with ``Tensor.div_`` (torch's own operation, so the bits match
-    torch's ``average_parameters``), then reduces with ``plan.op``. On CUDA nothing waits on
+    Divides by ``plan.divisor`` as ``Tensor.div_`` does (torch's own operation, so the bits match
+    torch's ``average_parameters``; the in-place tensors in one multi-tensor kernel, which
+    rounds alike), then reduces with ``plan.op``. On CUDA nothing waits on
     the host: the current stream waits for each collective.
 
     Args:
@@ -246,9 +247,8 @@ def average_device(plan: DevicePlan, params: list[torch.Tensor], group: dist.Pro
     """
     op, pre = plan.op, plan.divisor
     in_place = _tensors(params, plan.in_place)
-    if pre != 1.0:
-        for tensor in in_place:
-            tensor.div_(pre)
+    if pre != 1.0 and in_place:
+        foreach_div_(in_place, pre)  # rounds as ``Tensor.div_`` does, on CPU and CUDA alike
     works = _launch_in_place(plan, in_place, group) if in_place else []
     if plan.buckets:
         staging = _staging(plan, params)

@@ -450,3 +450,38 @@ def _cast_aside_on_cuda(rank: int, world: int) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (NCCL)")
 def test_compress_hooks_cast_on_a_side_stream_where_grads_view_the_buckets() -> None:
     run_ranks(_cast_aside_on_cuda, min(torch.cuda.device_count(), 2), backend="nccl", timeout=240)
+
+
+def _in_place_buckets_on_nccl(rank: int, world: int) -> None:
+    # A bucket already in the dtype sent is averaged in place: fp16 by NCCL's pre-multiplied sum,
+    # bf16 divided first (torch's bf16 pre-multiplied sum is unusable: see dcomm.core.plan_average).
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+
+    def train(hook: Callable, dtype: torch.dtype, native: bool) -> list[torch.Tensor]:
+        net = seeded_mlp(16, 64, 64, 8, dtype=dtype, device=device)
+        ddp = DDP(net, device_ids=[device], bucket_cap_mb=0.01)
+        register_comm_hook(ddp, None, hook, native=native)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        for step in range(4):
+            opt.zero_grad()
+            ddp(seeded_batch(rank, step, (8, 16), dtype=dtype).to(device)).float().pow(2).sum().backward()
+            opt.step()
+        return [p.detach().cpu() for p in net.parameters()]
+
+    for ours, theirs, dtype in (
+        (fp16_compress_hook, torch_hooks.fp16_compress_hook, torch.float16),
+        (bf16_compress_hook, torch_hooks.bf16_compress_hook, torch.bfloat16),
+    ):
+        what = f"{ours.__name__}, {dtype} model"
+        params = train(ours, dtype, native=True)
+        initial = [p.detach().cpu() for p in seeded_mlp(16, 64, 64, 8, dtype=dtype).parameters()]
+        assert not all(torch.equal(a, b) for a, b in zip(params, initial, strict=True)), f"{what}: did not train"
+        assert_close(params, train(theirs, dtype, native=False), 0.0, f"{what} vs torch's")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL): one rank sums nothing")
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on this machine")
+def test_in_place_buckets_on_nccl_match_torch() -> None:
+    run_ranks(_in_place_buckets_on_nccl, 2, backend="nccl", timeout=240)

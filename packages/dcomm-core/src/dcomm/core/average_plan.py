@@ -14,8 +14,10 @@ arithmetic a caller must reproduce:
   ``"postdivide"``, fp16 ``"split"``.
 
 Where NCCL reduces, ``nccl_average`` lets fp32/fp64/bf16 use ``ReduceOp.AVG`` (no division
-pass) and ``nccl_premul`` lets fp16 fold its pre-division into NCCL's pre-multiplied sum (exact:
-the factor is a power of two). Neither exists on gloo.
+pass) and ``nccl_premul`` lets a power-of-two pre-division fold into NCCL's pre-multiplied sum
+(exact: the product is the quotient). Never for bf16: torch hands NCCL a float32 factor for a
+bf16 pre-multiplied sum, which NCCL reads as a bf16 one (a factor near zero). Neither exists on
+gloo.
 
 Example::
 
@@ -25,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -86,7 +89,7 @@ def plan_average(
         factors: ``(pre, post)`` divisors chosen by the caller (a hook state's, which a user may
             set), taken instead of the arithmetic's.
         nccl_average: allow ``ReduceOp.AVG`` for fp32/fp64/bf16 where NCCL reduces.
-        nccl_premul: allow NCCL's pre-multiplied sum to take the pre-division.
+        nccl_premul: allow NCCL's pre-multiplied sum to take a power-of-two pre-division (not bf16).
 
     Returns:
         The :class:`AveragePlan`.
@@ -113,9 +116,18 @@ def plan_average(
     if world > 1 and (nccl_average or nccl_premul) and reduced_by_nccl(group, device):
         if nccl_average and dtype in _NCCL_AVG_DTYPES:
             return AveragePlan(dist.ReduceOp.AVG, 1.0, 1.0)  # NCCL divides inside the sum
-        if nccl_premul and pre > 1:
+        if nccl_premul and pre > 1 and _premul_is_exact(dtype, pre):
             return AveragePlan(make_nccl_premul_sum(1.0 / pre), 1.0, post)
     return AveragePlan(dist.ReduceOp.SUM, pre, post)
+
+
+def _premul_is_exact(dtype: torch.dtype, divisor: float) -> bool:
+    """Whether NCCL's sum pre-multiplied by ``1 / divisor`` gives the bits of dividing first.
+
+    Only for a power of two (the product is then the quotient) and never for bf16 (see the
+    module docstring).
+    """
+    return dtype != torch.bfloat16 and math.frexp(divisor)[0] == 0.5
 
 
 def average_sync(

@@ -247,13 +247,12 @@ def _planner(group: dist.ProcessGroup, wire: torch.dtype | None) -> Callable[...
 def _plan(group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device, in_place: bool) -> Any:
     """torch's arithmetic: divide by the group size, then sum.
 
-    In place, on NCCL, with a world size that is a power of two, the division is NCCL's
-    ``PREMUL_SUM`` by ``1 / world``: the product is the exact quotient, so the sum is bit-identical
-    to dividing first, and the bucket is not read and written once more before the sum.
+    In place, on NCCL, with a world size that is a power of two and an fp16 bucket, the division
+    is NCCL's ``PREMUL_SUM`` by ``1 / world`` (:func:`dcomm.core.plan_average` decides; a bf16
+    bucket is divided first, as torch does): the product is the exact quotient, so the sum is
+    bit-identical to dividing first, and the bucket is not read and written once more.
     """
-    world = dist.get_world_size(group)
-    exact = in_place and world & (world - 1) == 0
-    return plan_average(group, dtype, device, arithmetic="predivide", nccl_average=False, nccl_premul=exact)
+    return plan_average(group, dtype, device, arithmetic="predivide", nccl_average=False, nccl_premul=in_place)
 
 
 def _device_of(ddp_model: DistributedDataParallel) -> torch.device:

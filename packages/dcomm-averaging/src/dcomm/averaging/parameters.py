@@ -252,11 +252,12 @@ def average_parameters(
       in the cap, else two of half the cap that alternate), averaged there and copied back.
 
     On NCCL at a power-of-two group size, fp32, fp64 and bf16 use ``ReduceOp.AVG`` (the same bits,
-    one division pass fewer). Integer and bool tensors (BatchNorm's ``num_batches_tracked``) get
-    their mean truncated toward zero, as torch gives them, but from an exact int64 sum. Tied
-    parameters (one object passed twice) are averaged once. Nothing waits on the host on CUDA:
-    the current stream waits for each collective. On a rank outside ``process_group`` nothing
-    changes.
+    one division pass fewer; but NCCL's NVLS and SHARP algorithms reduce ``SUM`` only, so where
+    they would serve torch's ``SUM``, sums of 4+ ranks may round differently). Integer and bool
+    tensors (BatchNorm's ``num_batches_tracked``) get their mean truncated toward zero, as torch
+    gives them, but from an exact int64 sum. Tied parameters (one object passed twice) are
+    averaged once. Nothing waits on the host on CUDA: the current stream waits for each
+    collective. On a rank outside ``process_group`` nothing changes.
 
     The call is a collective: every rank of the group must pass the same parameters (sizes,
     dtypes, devices, order, memory layout) and the same ``bucket_cap_mb``. The first call with a

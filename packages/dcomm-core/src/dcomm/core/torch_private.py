@@ -142,7 +142,11 @@ def _read(member: PrivateMember) -> Any:
 
 
 def make_nccl_premul_sum(factor: float) -> Any:
-    """NCCL's ``SUM`` of the inputs multiplied by ``factor`` (a reduce op; NCCL only)."""
+    """NCCL's ``SUM`` of the inputs multiplied by ``factor`` (a reduce op; NCCL only).
+
+    Never for bf16 tensors: torch hands NCCL the factor as a float32 that NCCL reads as a bf16
+    (a factor near zero). :func:`dcomm.core.plan_average` only picks it where it is exact.
+    """
     return _read(_PREMUL_SUM)(factor)
 
 

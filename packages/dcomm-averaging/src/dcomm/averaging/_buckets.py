@@ -231,10 +231,10 @@ def _tensors(params: list[torch.Tensor], pieces: tuple[Piece, ...]) -> list[torc
 def average_device(plan: DevicePlan, params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     """Average one device's parameters over ``group`` as ``plan`` says, in place.
 
-    Divides by ``plan.divisor`` as ``Tensor.div_`` does (torch's own operation, so the bits match
-    torch's ``average_parameters``; the in-place tensors in one multi-tensor kernel, which
-    rounds alike), then reduces with ``plan.op``. On CUDA nothing waits on
-    the host: the current stream waits for each collective.
+    Divides by ``plan.divisor`` with ``Tensor.div_``'s rounding (the in-place tensors in one
+    ``torch._foreach_div_``, which rounds alike), so the bits match torch's
+    ``average_parameters``, then reduces with ``plan.op``. On CUDA nothing waits on the host:
+    the current stream waits for each collective.
 
     Args:
         plan: from :func:`plan_device`, for this list of parameters.
